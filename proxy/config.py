@@ -1,0 +1,45 @@
+"""The proxy's one frozen config object, built by the CLI and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = 9090  # None: no admin listener
+    workers: int = 1
+    worker_index: int = 0
+    # Source of the ready set: exactly one of these.
+    replicas: tuple[str, ...] = ()
+    redis_url: str | None = None
+    service: str | None = None
+    redis_prefix: str = "sluice"
+    controller_addr: str | None = None
+    sync_interval: float = 5.0
+    sync_timeout: float = 5.0
+    # Routing.
+    policy: str | None = None  # None: the snapshot's policy (least_load by default)
+    target_qps: dict[str, float] = field(default_factory=dict)
+    # Pools and deadlines.
+    pool_size: int = 256
+    pool_grace: float = 30.0
+    retry_deadline: float = 60.0
+    max_attempts: int = 3
+    connect_timeout: float = 5.0
+    empty_wait: float = 10.0
+    stream_idle_timeout: float = 120.0
+    max_body: int = 100 * 1024 * 1024
+    retry_body_limit: int = 1024 * 1024  # bodies up to this are kept for retries
+    header_timeout: float = 30.0  # whole request head must arrive within this
+    keepalive_timeout: float = 75.0  # idle client connection
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    shutdown_grace: float = 30.0
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    proxy_id: str | None = None
+    log_level: str = "INFO"

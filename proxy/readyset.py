@@ -1,0 +1,186 @@
+"""The proxy's ready set: the snapshot in force and the replicas derived from it.
+
+Every source of the ready set (a static list, Redis, the Sky Serve sync
+protocol) calls `ReadySet.apply(snapshot)`; nothing else in the proxy knows
+where snapshots come from. Applying is one reference swap: requests in flight
+keep the Replica they picked. A Replica (and its connection pool) outlives its
+absence from the set for `pool_grace` seconds, so a replica that flaps out for
+one snapshot comes back warm; its pool is closed only after the grace and with
+nothing in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from proxy.errors import ConfigError
+from proxy.policies import Policy, make_policy
+from proxy.snapshot import ReadyReplica, ReadySnapshot
+
+log = logging.getLogger("sluice.proxy")
+
+
+class Pool(Protocol):
+    """What the ready set needs of a replica's connection pool."""
+
+    def close(self) -> None: ...
+
+    @property
+    def size(self) -> int: ...
+
+
+class Replica:
+    """One upstream replica as the proxy sees it; identity is its URL."""
+
+    __slots__ = (
+        "accelerator",
+        "host",
+        "host_header",
+        "id",
+        "inflight",
+        "left_at",
+        "pool",
+        "port",
+        "target_qps",
+        "tls",
+        "url",
+        "version",
+    )
+
+    def __init__(self, info: ReadyReplica) -> None:
+        parts = urlsplit(info.url)
+        if parts.hostname is None:
+            raise ConfigError(f"replica url has no host: {info.url!r}")
+        self.url = info.url
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        default_port = 443 if self.tls else 80
+        netloc = f"[{self.host}]" if ":" in self.host else self.host
+        if self.port != default_port:
+            netloc = f"{netloc}:{self.port}"
+        self.host_header = netloc.encode("latin-1")
+        self.id = info.id
+        self.version = info.version
+        self.accelerator = info.accelerator
+        self.target_qps = info.target_qps
+        self.inflight = 0
+        self.left_at: float | None = None
+        self.pool: Pool | None = None
+
+    def refresh(self, info: ReadyReplica) -> None:
+        self.id = info.id
+        self.version = info.version
+        self.accelerator = info.accelerator
+        self.target_qps = info.target_qps
+
+    def __repr__(self) -> str:
+        return f"Replica({self.id}, {self.url}, inflight={self.inflight})"
+
+
+class ReadySet:
+    def __init__(
+        self,
+        *,
+        policy_override: str | None = None,
+        target_qps: dict[str, float] | None = None,
+        pool_factory: Callable[[Replica], Pool] | None = None,
+        pool_grace: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._policy_override = policy_override
+        self._target_qps = target_qps
+        self._pool_factory = pool_factory
+        self._pool_grace = pool_grace
+        self._clock = clock
+        self.snapshot: ReadySnapshot | None = None
+        self.replicas: tuple[Replica, ...] = ()
+        self.known: dict[str, Replica] = {}
+        self.policy: Policy = make_policy(policy_override or "least_load", target_qps)
+        self.applied_at = 0.0  # wall clock of the last apply
+        self._waiters: list[Callable[[], None]] = []
+
+    @property
+    def generation(self) -> int:
+        return -1 if self.snapshot is None else self.snapshot.generation
+
+    def apply(self, snapshot: ReadySnapshot) -> bool:
+        """Install `snapshot` if it is newer than the one in force; True if applied."""
+        if self.snapshot is not None and snapshot.generation <= self.snapshot.generation:
+            return False
+        now = self._clock()
+        replicas: list[Replica] = []
+        for info in snapshot.replicas:
+            replica = self.known.get(info.url)
+            if replica is None:
+                replica = Replica(info)
+                if self._pool_factory is not None:
+                    replica.pool = self._pool_factory(replica)
+                self.known[info.url] = replica
+            else:
+                replica.refresh(info)
+            replica.left_at = None
+            replicas.append(replica)
+        in_set = {r.url for r in replicas}
+        for url, replica in self.known.items():
+            if url not in in_set and replica.left_at is None:
+                replica.left_at = now
+        policy = self.policy
+        wanted = self._policy_override or snapshot.policy
+        if wanted != policy.name:
+            try:
+                policy = make_policy(wanted, self._target_qps)
+            except ConfigError:
+                log.warning("snapshot %d names unknown policy %r; keeping %s",
+                            snapshot.generation, wanted, policy.name)
+        policy.update(replicas)
+        # One assignment each; a request reading these sees old or new, never a mix
+        # that matters (the policy holds its own copy of the list).
+        self.policy = policy
+        self.replicas = tuple(replicas)
+        self.snapshot = snapshot
+        self.applied_at = time.time()
+        if replicas and self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for wake in waiters:
+                wake()
+        return True
+
+    def choose(self, exclude: set[Replica] | None = None) -> Replica | None:
+        return self.policy.choose(exclude)
+
+    def add_waiter(self, wake: Callable[[], None]) -> None:
+        self._waiters.append(wake)
+
+    def remove_waiter(self, wake: Callable[[], None]) -> None:
+        try:
+            self._waiters.remove(wake)
+        except ValueError:
+            pass
+
+    def is_ready(self, replica: Replica) -> bool:
+        return replica.left_at is None
+
+    def sweep(self) -> None:
+        """Close the pools of replicas gone longer than the grace with nothing in flight."""
+        if len(self.known) == len(self.replicas):
+            return
+        now = self._clock()
+        for url, replica in list(self.known.items()):
+            left = replica.left_at
+            if left is not None and now - left >= self._pool_grace and replica.inflight == 0:
+                del self.known[url]
+                if replica.pool is not None:
+                    replica.pool.close()
+
+    def close(self) -> None:
+        for replica in self.known.values():
+            if replica.pool is not None:
+                replica.pool.close()
+        self.known.clear()
+        self.replicas = ()
+        self.policy.update(())

@@ -1,0 +1,48 @@
+"""Sources of the ready set. Each one feeds `ReadySet.apply()`; the proxy does not care which.
+
+A source is started once and closed once by the proxy app:
+
+    source = StaticSource(urls)
+    await source.start(ready_set)
+    ...
+    await source.aclose()
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from proxy.readyset import ReadySet
+from proxy.snapshot import ReadyReplica, ReadySnapshot
+
+
+class Source(Protocol):
+    async def start(self, ready_set: ReadySet) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class StaticSource:
+    """A fixed list of replica URLs, given on the command line (`--replicas`)."""
+
+    def __init__(self, urls: tuple[str, ...], policy: str = "least_load") -> None:
+        self._urls = urls
+        self._policy = policy
+
+    async def start(self, ready_set: ReadySet) -> None:
+        ready_set.apply(
+            ReadySnapshot(
+                service="static",
+                generation=1,
+                published_at=time.time(),
+                policy=self._policy,
+                active_versions=[1],
+                replicas=tuple(
+                    ReadyReplica(id=i + 1, url=url.rstrip("/")) for i, url in enumerate(self._urls)
+                ),
+            )
+        )
+
+    async def aclose(self) -> None:
+        return None
