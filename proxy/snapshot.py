@@ -25,7 +25,8 @@ class ReadyReplica(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not (self.url.startswith("http://") or self.url.startswith("https://")):
-            raise ValueError(f"replica {self.id}: url must be http(s)://host:port, got {self.url!r}")
+            raise ValueError(f"replica {self.id}: url must be http(s)://host:port, "
+                             f"got {self.url!r}")
 
 
 class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):

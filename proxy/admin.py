@@ -1,0 +1,74 @@
+"""The admin listener (aiohttp, off the request path): /healthz, /readyz, /metrics, /snapshot.
+
+It listens on its own port (127.0.0.1 by default), so proxied paths are never
+shadowed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+from aiohttp import web
+
+from proxy import metrics
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyApp
+
+
+class AdminServer:
+    def __init__(self, app: ProxyApp, host: str, port: int) -> None:
+        self._app = app
+        self._host = host
+        self._port = port
+        self._runner: web.AppRunner | None = None
+        self.url = f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        web_app = web.Application()
+        web_app.router.add_get("/healthz", self._healthz)
+        web_app.router.add_get("/readyz", self._readyz)
+        web_app.router.add_get("/metrics", self._metrics)
+        web_app.router.add_get("/snapshot", self._snapshot)
+        self._runner = web.AppRunner(web_app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port,
+                           reuse_port=self._app.config.workers > 1)
+        await site.start()
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        app = self._app
+        body = {
+            "ready": app.ready,
+            "replicas": len(app.ready_set.replicas),
+            "generation": app.ready_set.generation,
+            "draining": bool(app.ctx and app.ctx.draining),
+        }
+        return web.json_response(body, status=200 if app.ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(self._app),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        app = self._app
+        snap = app.ready_set.snapshot
+        body = {
+            "snapshot": msgspec.to_builtins(snap) if snap is not None else None,
+            "policy": app.ready_set.policy.name,
+            "replicas": [
+                {"url": r.url, "id": r.id, "inflight": r.inflight,
+                 "ready": r.left_at is None,
+                 "pool": r.pool.size if r.pool is not None else 0}
+                for r in app.ready_set.known.values()
+            ],
+        }
+        return web.json_response(body)

@@ -1,0 +1,169 @@
+"""The proxy process, wired in one place.
+
+ProxyApp starts, in order: the ready set (with its pool factory), the source of
+the ready set, the client listener, the admin listener, and the sweeper. It
+closes in the order written down in DESIGN.md and tested:
+
+1. fail readiness (/readyz answers 503) and stop accepting connections;
+2. close idle client connections; let in-flight exchanges finish, up to
+   `shutdown_grace` (their responses carry `Connection: close`);
+3. abort what is still running;
+4. close the connection pools;
+5. close the source (Redis, the Sky Serve sync client) and the admin listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+
+from proxy.admin import AdminServer
+from proxy.config import ProxyConfig
+from proxy.errors import ConfigError
+from proxy.pool import ReplicaPool
+from proxy.readyset import ReadySet, Replica
+from proxy.server import ClientConnection, ServerContext
+from proxy.sources import Source, StaticSource
+from proxy.stats import Stats
+
+log = logging.getLogger("sluice.proxy")
+
+TICK_SECONDS = 0.1
+
+
+def make_source(config: ProxyConfig, stats: Stats) -> Source:
+    """The one source of the ready set the config names."""
+    chosen = [bool(config.replicas), bool(config.redis_url), bool(config.controller_addr)]
+    if sum(chosen) != 1:
+        raise ConfigError(
+            "give exactly one source of replicas: --replicas URL,..., "
+            "--redis URL --service NAME, or --controller-addr URL"
+        )
+    if config.replicas:
+        return StaticSource(config.replicas, policy=config.policy or "least_load")
+    if config.redis_url:
+        if not config.service:
+            raise ConfigError("--redis needs --service NAME")
+        from proxy.subscriber import RedisSource
+
+        return RedisSource(config, stats)
+    from proxy.skyserve import SkyServeSource
+
+    return SkyServeSource(config, stats)
+
+
+class ProxyApp:
+    def __init__(self, config: ProxyConfig, source: Source | None = None) -> None:
+        self.config = config
+        self.stats = Stats()
+        self.ready_set = ReadySet(
+            policy_override=config.policy,
+            target_qps=config.target_qps,
+            pool_factory=self._make_pool,
+            pool_grace=config.pool_grace,
+        )
+        self.source = source if source is not None else make_source(config, self.stats)
+        self.ctx: ServerContext | None = None
+        self.server: asyncio.Server | None = None
+        self.admin: AdminServer | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._upstream_ssl = ssl.create_default_context()
+        self.port = config.port
+
+    def _make_pool(self, replica: Replica) -> ReplicaPool:
+        return ReplicaPool(
+            replica,
+            limit=self.config.pool_size,
+            connect_timeout=self.config.connect_timeout,
+            ssl_context=self._upstream_ssl,
+        )
+
+    def _server_ssl(self) -> ssl.SSLContext | None:
+        cfg = self.config
+        if not cfg.tls_certfile and not cfg.tls_keyfile:
+            return None
+        if not (cfg.tls_certfile and cfg.tls_keyfile):
+            raise ConfigError("--tls-certfile and --tls-keyfile go together")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load TLS certificate/key: {exc}") from exc
+        return ctx
+
+    async def start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        server_ssl = self._server_ssl()
+        ctx = ServerContext(cfg, self.ready_set, self.stats,
+                            b"https" if server_ssl else b"http")
+        self.ctx = ctx
+        await self.source.start(self.ready_set)
+        try:
+            self.server = await loop.create_server(
+                lambda: ClientConnection(ctx),
+                cfg.host,
+                cfg.port,
+                ssl=server_ssl,
+                reuse_port=cfg.workers > 1,
+                backlog=4096,
+            )
+        except OSError as exc:
+            await self.source.aclose()
+            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}") from exc
+        sock = self.server.sockets[0]
+        self.port = sock.getsockname()[1]
+        if cfg.admin_port is not None:
+            self.admin = AdminServer(self, cfg.admin_host, cfg.admin_port + cfg.worker_index)
+            await self.admin.start()
+        self._ticker = loop.create_task(self._tick_forever())
+        log.info("sluice-proxy listening on %s:%d (%s), admin %s, %d replicas",
+                 cfg.host, self.port, "https" if server_ssl else "http",
+                 self.admin.url if self.admin else "off", len(self.ready_set.replicas))
+
+    async def _tick_forever(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                ctx.tick()
+            except Exception:
+                log.exception("sweeper tick failed")
+
+    @property
+    def ready(self) -> bool:
+        ctx = self.ctx
+        return ctx is not None and not ctx.draining and bool(self.ready_set.replicas)
+
+    async def aclose(self) -> None:
+        ctx = self.ctx
+        if ctx is not None:
+            ctx.draining = True
+        if self.server is not None:
+            self.server.close()
+        if ctx is not None:
+            for conn in list(ctx.connections):
+                conn.close_if_idle()
+            deadline = ctx.loop.time() + self.config.shutdown_grace
+            while ctx.active_exchanges() and ctx.loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            for conn in list(ctx.connections):
+                if conn.transport is not None:
+                    conn.transport.abort()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
+        self.ready_set.close()
+        for pool in pools:
+            if isinstance(pool, ReplicaPool):
+                await pool.wait_closed()
+        await self.source.aclose()
+        if self.admin is not None:
+            await self.admin.aclose()
+        if self.server is not None:
+            await self.server.wait_closed()

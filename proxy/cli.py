@@ -1,0 +1,223 @@
+"""`sluice-proxy` (also `sluice proxy`): parse options, build one ProxyConfig, run.
+
+With `--workers N > 1` this process supervises N worker processes that share
+the port with SO_REUSEPORT; each runs its own ready-set source and admin
+listener (worker i on admin port + i). uvloop is chosen here and only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import click
+
+from proxy.app import ProxyApp
+from proxy.config import ProxyConfig
+from proxy.errors import ConfigError
+from proxy.policies import POLICIES
+
+log = logging.getLogger("sluice.proxy")
+
+
+def _split_urls(value: str | None) -> tuple[str, ...]:
+    if not value:
+        return ()
+    urls = tuple(u.strip().rstrip("/") for u in value.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(f"{url!r} is not an http(s):// URL", param_hint="--replicas")
+    return urls
+
+
+def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in values:
+        name, sep, qps = item.partition("=")
+        try:
+            value = float(qps)
+        except ValueError:
+            value = -1.0
+        if not sep or not name or value <= 0:
+            raise click.BadParameter(f"{item!r}: expected ACCELERATOR=QPS with QPS > 0",
+                                     param_hint="--target-qps")
+        out[name] = value
+    return out
+
+
+def run_proxy(config: ProxyConfig) -> None:
+    """Run one proxy process until SIGTERM/SIGINT, on uvloop."""
+    import uvloop
+
+    async def serve() -> None:
+        app = ProxyApp(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await app.start()
+        try:
+            await stop.wait()
+            log.info("shutting down: draining in-flight requests (grace %.0fs)",
+                     config.shutdown_grace)
+        finally:
+            await app.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve())
+
+
+def supervise_workers(n: int, argv: list[str]) -> int:
+    """Start n workers sharing the port; forward SIGTERM/SIGINT; restart a worker that dies."""
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def spawn(i: int) -> None:
+        procs[i] = subprocess.Popen([sys.executable, "-m", "proxy.cli", *argv,
+                                     "--worker-index", str(i)])
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(n):
+        spawn(i)
+    while True:
+        alive = False
+        for i, p in list(procs.items()):
+            code = p.poll()
+            if code is None:
+                alive = True
+            elif not stopping:
+                log.error("worker %d exited with %s; restarting it", i, code)
+                time.sleep(0.5)
+                spawn(i)
+                alive = True
+        if not alive:
+            return 0
+        time.sleep(0.2)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"],
+                                 "max_content_width": 100})
+@click.option("--replicas", help="Static ready set: comma-separated replica URLs "
+              "(http://host:port). One of --replicas, --redis or --controller-addr.")
+@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL",
+              help="Redis URL (redis:// or rediss://, password allowed) holding the ready set; "
+                   "needs --service. Env: SLUICE_REDIS_URL.")
+@click.option("--service", help="Service name whose ready set to follow (with --redis).")
+@click.option("--redis-prefix", default="sluice", show_default=True, help="Redis key prefix.")
+@click.option("--controller-addr", help="Drop-in mode: URL of an unmodified Sky Serve "
+              "controller to sync the ready set from.")
+@click.option("--sync-interval", type=float, default=5.0, show_default=True,
+              help="Sky Serve sync period in seconds (drop-in mode).")
+@click.option("--sync-timeout", type=float, default=5.0, show_default=True,
+              help="Timeout of one Sky Serve sync request (drop-in mode).")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", "--load-balancer-port", "port", type=int, default=8080,
+              show_default=True, help="Port to listen on (0: any free port).")
+@click.option("--admin-host", default="127.0.0.1", show_default=True,
+              help="Admin listener address (/healthz /readyz /metrics /snapshot).")
+@click.option("--admin-port", type=int, default=9090, show_default=True,
+              help="Admin listener port; worker i uses admin port + i. -1 disables it.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Processes sharing the port (SO_REUSEPORT).")
+@click.option("--worker-index", type=int, default=None, hidden=True)
+@click.option("--policy", "--load-balancing-policy", "policy",
+              type=click.Choice(sorted(POLICIES)), default=None,
+              help="Load-balancing policy; default: the snapshot's (least_load).")
+@click.option("--target-qps", multiple=True, metavar="ACCEL=QPS",
+              help="Per-accelerator capacity for instance_aware_least_load (repeatable).")
+@click.option("--pool-size", type=click.IntRange(1), default=256, show_default=True,
+              help="Connection limit per replica.")
+@click.option("--pool-grace", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="Seconds a departed replica's pool stays open (comes back warm).")
+@click.option("--retry-deadline", type=click.FloatRange(0, min_open=True), default=60.0,
+              show_default=True, help="Total budget per request until response headers: "
+              "waiting for a replica, for a connection, and every attempt.")
+@click.option("--max-attempts", type=click.IntRange(1), default=3, show_default=True,
+              help="Attempts per request, each on a different replica where possible.")
+@click.option("--connect-timeout", type=click.FloatRange(0, min_open=True), default=5.0,
+              show_default=True, help="Per-attempt connect timeout.")
+@click.option("--empty-wait", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Hold a request this long for a ready replica before 503.")
+@click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=120.0,
+              show_default=True, help="Max seconds between response chunks.")
+@click.option("--max-body", type=click.IntRange(0), default=100 * 1024 * 1024,
+              show_default=True, help="Largest request body in bytes (413 beyond).")
+@click.option("--shutdown-grace", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="On SIGTERM, seconds to let in-flight requests finish.")
+@click.option("--tls-certfile", type=click.Path(dir_okay=False), help="Serve HTTPS: cert.")
+@click.option("--tls-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: key.")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def proxy_command(**opts: object) -> None:
+    """sluice-proxy: a fast load-balancing proxy for replicated model servers.
+
+    \b
+    Examples:
+      sluice-proxy --replicas http://127.0.0.1:8001,http://127.0.0.1:8002
+      sluice-proxy --redis redis://127.0.0.1:6379 --service llm --port 8080
+      sluice-proxy --controller-addr http://127.0.0.1:20001 --load-balancer-port 8080
+    """
+    logging.basicConfig(level=str(opts["log_level"]).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    workers = int(opts["workers"])  # type: ignore[call-overload]
+    index = opts["worker_index"]
+    admin_port = int(opts["admin_port"])  # type: ignore[call-overload]
+    config = ProxyConfig(
+        host=str(opts["host"]),
+        port=int(opts["port"]),  # type: ignore[call-overload]
+        admin_host=str(opts["admin_host"]),
+        admin_port=None if admin_port < 0 else admin_port,
+        workers=workers,
+        worker_index=int(index) if index is not None else 0,  # type: ignore[call-overload]
+        replicas=_split_urls(opts["replicas"]),  # type: ignore[arg-type]
+        redis_url=opts["redis_url"],  # type: ignore[arg-type]
+        service=opts["service"],  # type: ignore[arg-type]
+        redis_prefix=str(opts["redis_prefix"]),
+        controller_addr=opts["controller_addr"],  # type: ignore[arg-type]
+        sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
+        sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]
+        policy=opts["policy"],  # type: ignore[arg-type]
+        target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
+        pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
+        pool_grace=float(opts["pool_grace"]),  # type: ignore[arg-type]
+        retry_deadline=float(opts["retry_deadline"]),  # type: ignore[arg-type]
+        max_attempts=int(opts["max_attempts"]),  # type: ignore[call-overload]
+        connect_timeout=float(opts["connect_timeout"]),  # type: ignore[arg-type]
+        empty_wait=float(opts["empty_wait"]),  # type: ignore[arg-type]
+        stream_idle_timeout=float(opts["stream_idle_timeout"]),  # type: ignore[arg-type]
+        max_body=int(opts["max_body"]),  # type: ignore[call-overload]
+        shutdown_grace=float(opts["shutdown_grace"]),  # type: ignore[arg-type]
+        tls_certfile=opts["tls_certfile"],  # type: ignore[arg-type]
+        tls_keyfile=opts["tls_keyfile"],  # type: ignore[arg-type]
+        log_level=str(opts["log_level"]).upper(),
+    )
+    if workers > 1 and index is None:
+        if config.port == 0:
+            raise click.UsageError("--workers > 1 needs a fixed --port")
+        sys.exit(supervise_workers(workers, sys.argv[1:]))
+    try:
+        run_proxy(config)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def main() -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    proxy_command(auto_envvar_prefix="SLUICE_PROXY")
+
+
+if __name__ == "__main__":
+    main()

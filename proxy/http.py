@@ -1,0 +1,89 @@
+"""HTTP/1.1 wire pieces shared by both sides of the proxy: header rules, status lines,
+the proxy's own error responses. Everything here is computed once at import.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+# Hop-by-hop headers (RFC 9110 7.6.1) plus the de-facto ones; headers named in
+# `Connection:` are hop-by-hop too and are removed per message.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+# Request headers the proxy sets itself and so never forwards as received.
+REQUEST_DROP = HOP_BY_HOP | {b"host", b"expect", b"x-forwarded-proto", b"x-forwarded-host"}
+
+CRLF = b"\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(code: int) -> bytes:
+    line = _STATUS_LINES.get(code)
+    if line is None:
+        try:
+            reason = HTTPStatus(code).phrase
+        except ValueError:
+            reason = "Unknown"
+        line = b"HTTP/1.1 %d %s\r\n" % (code, reason.encode("latin-1"))
+        _STATUS_LINES[code] = line
+    return line
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def connection_tokens(value: bytes) -> set[bytes]:
+    return {t.strip().lower() for t in value.split(b",") if t.strip()}
+
+
+def error_response(code: int, error: str, detail: str, *, close: bool,
+                   retry_after: int | None = None) -> bytes:
+    """A complete proxy-generated response with a small JSON body (no internals)."""
+    body = b'{"error":"%s","detail":"%s"}' % (error.encode(), detail.encode())
+    head = [status_line(code), b"Content-Type: application/json\r\n",
+            b"Content-Length: %d\r\n" % len(body)]
+    if retry_after is not None:
+        head.append(b"Retry-After: %d\r\n" % retry_after)
+    if close:
+        head.append(b"Connection: close\r\n")
+    head.append(CRLF)
+    return b"".join(head) + body
+
+
+# Proxy-generated responses, built once. `_KA` variants keep the connection open.
+NO_REPLICA = error_response(503, "no_ready_replica",
+                            "no replica became ready within the wait", close=False,
+                            retry_after=1)
+DEADLINE = error_response(504, "deadline_exceeded",
+                          "no response headers within the retry deadline", close=False)
+SHUTTING_DOWN = error_response(503, "shutting_down", "the proxy is shutting down", close=True,
+                               retry_after=1)
+BAD_REQUEST = error_response(400, "bad_request", "malformed or ambiguous request", close=True)
+TOO_LARGE = error_response(413, "payload_too_large", "request body exceeds --max-body",
+                           close=True)
+HEADERS_TOO_LARGE = error_response(431, "request_header_fields_too_large",
+                                   "request headers exceed the proxy's limits", close=True)
+UPGRADE_REFUSED = error_response(501, "upgrade_not_supported",
+                                 "protocol upgrades (WebSocket, CONNECT) are not proxied",
+                                 close=True)
+
+
+def bad_gateway(error_class: str) -> bytes:
+    return error_response(502, "bad_gateway", f"all attempts failed; last error: {error_class}",
+                          close=False)

@@ -1,0 +1,91 @@
+"""Prometheus exposition of the proxy's plain counters, built only when scraped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from proxy.stats import BUCKETS, Histogram
+
+if TYPE_CHECKING:
+    from proxy.app import ProxyApp
+
+
+def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
+    buckets = []
+    total = 0
+    for bound, count in zip(BUCKETS, hist.counts, strict=False):
+        total += count
+        buckets.append((repr(bound), total))
+    total += hist.counts[-1]
+    buckets.append(("+Inf", total))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.sum)
+
+
+class ProxyCollector:
+    def __init__(self, app: ProxyApp) -> None:
+        self._app = app
+
+    def collect(self) -> Iterator[Metric]:
+        app = self._app
+        stats = app.stats
+        worker = str(app.config.worker_index)
+        responses = CounterMetricFamily(
+            "sluice_responses", "Responses by status code (499: client went away)",
+            labels=["code", "worker"])
+        for code, count in sorted(stats.responses.items()):
+            responses.add_metric([str(code), worker], count)
+        yield responses
+        yield CounterMetricFamily("sluice_requests", "Requests received",
+                                  value=stats.requests_total)
+        yield CounterMetricFamily("sluice_upstream_attempts", "Attempts sent to replicas",
+                                  value=stats.attempts)
+        yield CounterMetricFamily("sluice_upstream_retries", "Attempts that were retries",
+                                  value=stats.retries)
+        yield CounterMetricFamily("sluice_client_disconnects",
+                                  "Requests whose client went away (499)",
+                                  value=stats.responses.get(499, 0))
+        yield _histogram("sluice_upstream_latency_seconds",
+                         "Request start to end of response", stats.upstream_latency)
+        yield _histogram("sluice_upstream_ttfb_seconds",
+                         "Request start to response headers", stats.ttfb)
+        inflight = GaugeMetricFamily("sluice_replica_inflight", "In-flight requests per replica",
+                                     labels=["replica"])
+        pool_size = GaugeMetricFamily("sluice_pool_connections",
+                                      "Open connections per replica pool", labels=["replica"])
+        for url, replica in app.ready_set.known.items():
+            inflight.add_metric([url], replica.inflight)
+            pool_size.add_metric([url], replica.pool.size if replica.pool else 0)
+        yield inflight
+        yield pool_size
+        yield GaugeMetricFamily("sluice_ready_replicas", "Replicas in the ready set",
+                                value=len(app.ready_set.replicas))
+        snap = app.ready_set.snapshot
+        yield GaugeMetricFamily("sluice_snapshot_generation", "Generation of the snapshot in force",
+                                value=snap.generation if snap else -1)
+        yield GaugeMetricFamily("sluice_snapshot_age_seconds",
+                                "Seconds since the snapshot in force was published",
+                                value=time.time() - snap.published_at if snap else 0.0)
+        yield CounterMetricFamily("sluice_snapshots_rejected",
+                                  "Snapshot payloads that failed validation",
+                                  value=stats.snapshots_rejected)
+        yield _histogram("sluice_snapshot_propagation_seconds",
+                         "Snapshot published_at to applied by this proxy", stats.propagation)
+        yield GaugeMetricFamily("sluice_source_connected",
+                                "1 when the ready-set source (Redis, controller) is reachable",
+                                value=stats.source_connected)
+
+
+def render(app: ProxyApp) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProxyCollector(app))
+    return generate_latest(registry)

@@ -1,0 +1,148 @@
+"""Per-replica keep-alive connection pools (ours, not aiohttp's).
+
+One ReplicaPool per replica URL, created when the replica first appears in a
+snapshot and closed by the ready set only after the replica has been gone for
+the pool grace with nothing in flight. A pool holds idle connections (LIFO, so
+the warmest is reused), opens new ones up to its limit, and queues exchanges
+beyond that. Taking an idle connection is a list pop: no Task, no Future.
+Opening a connection is the rare path and runs as a task owned by the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import TYPE_CHECKING
+
+from proxy.errors import UpstreamConnectError
+from proxy.upstream import UpstreamConnection
+
+if TYPE_CHECKING:
+    from proxy.readyset import Replica
+    from proxy.server import Exchange
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        replica: Replica,
+        *,
+        limit: int,
+        connect_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.replica = replica
+        self.limit = limit
+        self.connect_timeout = connect_timeout
+        self.ssl_context = ssl_context
+        self.idle: list[UpstreamConnection] = []
+        self.total = 0  # open plus opening connections
+        self.waiters: deque[Exchange] = deque()
+        self.closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def size(self) -> int:
+        return self.total
+
+    def acquire(self, ex: Exchange) -> UpstreamConnection | None:
+        """An idle connection now, or None: then `ex.on_connection` / `ex.on_connect_failed`
+        is called later."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        if self.total < self.limit:
+            self._open(ex)
+        else:
+            self.waiters.append(ex)
+        return None
+
+    def cancel(self, ex: Exchange) -> None:
+        """`ex` no longer wants a connection (it timed out, the client left, it retried)."""
+        try:
+            self.waiters.remove(ex)
+        except ValueError:
+            pass
+
+    def release(self, conn: UpstreamConnection, reusable: bool) -> None:
+        conn.exchange = None
+        if not reusable or self.closed or conn.closed:
+            conn.close()  # connection_lost -> discard() does the accounting
+            return
+        waiters = self.waiters
+        while waiters:
+            ex = waiters.popleft()
+            if ex.wants_connection(self):
+                ex.on_connection(conn)
+                return
+        self.idle.append(conn)
+
+    def discard(self, conn: UpstreamConnection) -> None:
+        """A connection closed; free its slot and start one for the next waiter."""
+        self.total -= 1
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+        waiters = self.waiters
+        while waiters and not self.closed and self.total < self.limit:
+            ex = waiters.popleft()
+            if ex.wants_connection(self):
+                self._open(ex)
+                return
+
+    def _open(self, ex: Exchange) -> None:
+        self.total += 1
+        task = asyncio.get_running_loop().create_task(self._connect(ex))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, ex: Exchange) -> None:
+        replica = self.replica
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: UpstreamConnection(self),
+                    replica.host,
+                    replica.port,
+                    ssl=self.ssl_context if replica.tls else None,
+                    server_hostname=replica.host if replica.tls else None,
+                ),
+                self.connect_timeout,
+            )
+        except asyncio.CancelledError:
+            self.total -= 1
+            raise
+        except (OSError, TimeoutError, ssl.SSLError) as exc:
+            self.total -= 1
+            if ex.wants_connection(self):
+                ex.on_connect_failed(UpstreamConnectError(type(exc).__name__))
+            return
+        if self.closed:
+            conn.close()
+            return
+        if ex.wants_connection(self):
+            ex.on_connection(conn)
+        else:
+            self.release(conn, reusable=True)
+
+    def close(self) -> None:
+        """Close idle connections now; busy ones close when their exchange ends."""
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for conn in self.idle:
+            conn.close()
+        self.idle.clear()
+        waiters, self.waiters = self.waiters, deque()
+        for ex in waiters:
+            if ex.wants_connection(self):
+                ex.on_connect_failed(UpstreamConnectError("PoolClosed"))
+
+    async def wait_closed(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

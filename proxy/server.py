@@ -1,0 +1,695 @@
+"""The request path: the client-side protocol and the Exchange that carries one request.
+
+A ClientConnection parses requests with llhttp (httptools) and turns each into
+an Exchange. The Exchange picks a replica from the ready set, takes a pooled
+UpstreamConnection, writes the request head and body in one write, and relays
+the response back chunk by chunk. The common path (a replica and an idle
+connection available at once) runs entirely in protocol callbacks: no Task, no
+Future, no logging, no timer object.
+
+Timeouts are enforced by one sweeper per process (`ServerContext.tick`, every
+100 ms) that looks at absolute deadlines and progress counters, instead of a
+timer per request: the request deadline (until response headers), the wait
+for a ready replica, the idle time between response chunks, the time to read
+a request head, and idle keep-alive connections.
+
+Retries: only before anything was sent to the client, only while the request
+body is still held in full (bodies up to `retry_body_limit` are kept), up to
+`max_attempts`, each on a replica not yet tried when one exists. A pooled
+connection that turns out stale (closed before any response byte) gets one
+extra attempt that does not count against `max_attempts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING
+
+import httptools
+
+from proxy import http
+from proxy.config import ProxyConfig
+from proxy.readyset import ReadySet, Replica
+from proxy.stats import Stats
+
+if TYPE_CHECKING:
+    from proxy.pool import ReplicaPool
+    from proxy.upstream import UpstreamConnection
+
+# Exchange states, in order.
+NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
+
+# Reasons the client connection's reading is paused (a bitmask).
+PAUSE_PIPELINE, PAUSE_BODY_BUFFER, PAUSE_UPSTREAM = 1, 2, 4
+
+_BODY_BUFFER_HIGH = 256 * 1024
+
+
+class _Reject(Exception):
+    """Raised inside a parser callback to refuse a request with a ready response."""
+
+    def __init__(self, response: bytes, status: int) -> None:
+        self.response = response
+        self.status = status
+
+
+class ServerContext:
+    """What every connection of one proxy process shares."""
+
+    def __init__(self, config: ProxyConfig, ready_set: ReadySet, stats: Stats,
+                 scheme: bytes) -> None:
+        self.config = config
+        self.ready_set = ready_set
+        self.stats = stats
+        self.scheme = scheme
+        self.loop = asyncio.get_running_loop()
+        self.now = self.loop.time()  # coarse clock, advanced by tick()
+        self.connections: set[ClientConnection] = set()
+        self.draining = False
+        self.proto_header = b"X-Forwarded-Proto: " + scheme + b"\r\n"
+
+    def tick(self) -> None:
+        now = self.now = self.loop.time()
+        for conn in list(self.connections):
+            conn.tick(now)
+        self.ready_set.sweep()
+
+    def active_exchanges(self) -> int:
+        return sum(1 for c in self.connections if c.current is not None)
+
+
+class ClientConnection(asyncio.Protocol):
+    __slots__ = (
+        "ctx",
+        "current",
+        "head_started",
+        "header_bytes",
+        "headers",
+        "http11",
+        "idle_since",
+        "parser",
+        "pause_mask",
+        "peer",
+        "pending",
+        "reading",
+        "transport",
+        "url",
+    )
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.peer = b""
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.head_started = 0.0  # > 0 while a request head is being read
+        self.http11 = True
+        self.reading: Exchange | None = None  # request whose body is being read
+        self.current: Exchange | None = None  # exchange answering the client now
+        self.pending: deque[Exchange] = deque()  # pipelined requests waiting their turn
+        self.pause_mask = 0
+        self.idle_since = ctx.now
+
+    # -- asyncio.Protocol ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peer = str(peer[0]).encode("latin-1")
+        self.ctx.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.reject(http.UPGRADE_REFUSED, 501)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Reject):
+                self.reject(cause.response, cause.status)
+            else:
+                raise
+        except httptools.HttpParserError:
+            self.reject(http.BAD_REQUEST, 400)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ctx.connections.discard(self)
+        current = self.current
+        self.current = None
+        if current is not None:
+            current.on_client_lost()
+        for ex in self.pending:
+            ex.on_client_lost()
+        self.pending.clear()
+        reading = self.reading
+        if reading is not None and reading is not current and reading.state != DONE:
+            reading.on_client_lost()
+        self.reading = None
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        ex = self.current
+        if ex is not None and ex.upstream is not None:
+            ex.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        ex = self.current
+        if ex is not None and ex.upstream is not None:
+            ex.upstream.resume_reading()
+
+    # -- llhttp callbacks -----------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.head_started = self.ctx.loop.time()
+        self.url = b""
+        self.headers = []
+        self.header_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self.header_bytes += len(url)
+        if self.header_bytes > self.ctx.config.max_header_bytes:
+            raise _Reject(http.HEADERS_TOO_LARGE, 431)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+        self.header_bytes += len(name) + len(value) + 4
+        cfg = self.ctx.config
+        if self.header_bytes > cfg.max_header_bytes or len(self.headers) > cfg.max_headers:
+            raise _Reject(http.HEADERS_TOO_LARGE, 431)
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        ctx = self.ctx
+        if parser.should_upgrade():
+            raise _Reject(http.UPGRADE_REFUSED, 501)
+        started = self.head_started
+        self.head_started = 0.0
+        method: bytes = parser.get_method()
+        self.http11 = parser.get_http_version() == "1.1"
+        keep = []
+        host = b""
+        xff = b""
+        chunked = False
+        expect = False
+        n_length = 0
+        length = 0
+        tokens: set[bytes] | None = None
+        drop = http.REQUEST_DROP
+        for name, value in self.headers:
+            lname = name.lower()
+            if lname in drop:
+                if lname == b"host":
+                    host = value
+                elif lname == b"transfer-encoding":
+                    chunked = True
+                elif lname == b"expect":
+                    expect = value.lower() == b"100-continue"
+                elif lname == b"connection":
+                    tokens = http.connection_tokens(value)
+                continue
+            if lname == b"content-length":
+                n_length += 1
+                try:
+                    length = int(value)
+                except ValueError:
+                    raise _Reject(http.BAD_REQUEST, 400) from None
+            elif lname == b"x-forwarded-for":
+                xff = value + b", "
+                continue
+            keep.append(b"%s: %s\r\n" % (name, value))
+        # Ambiguous framing is the root of request smuggling: refuse it outright.
+        if n_length > 1 or (n_length and chunked):
+            raise _Reject(http.BAD_REQUEST, 400)
+        if length > ctx.config.max_body:
+            raise _Reject(http.TOO_LARGE, 413)
+        if tokens and tokens - {b"keep-alive", b"close"}:
+            keep = [
+                line for line in keep
+                if line.split(b":", 1)[0].lower() not in tokens
+            ]
+        keep.append(b"X-Forwarded-For: %s%s\r\n" % (xff, self.peer))
+        keep.append(ctx.proto_header)
+        if host:
+            keep.append(b"X-Forwarded-Host: %s\r\n" % host)
+        if chunked:
+            keep.append(b"Transfer-Encoding: chunked\r\n")
+        keep.append(http.CRLF)
+        ex = Exchange(
+            self,
+            method,
+            method + b" " + self.url + b" HTTP/1.1\r\n",
+            b"".join(keep),
+            keep_alive=parser.should_keep_alive(),
+            chunked=chunked,
+            started=started,
+        )
+        self.reading = ex
+        if self.current is None:
+            self.current = ex
+            if expect:
+                self.transport.write(http.CONTINUE_100)  # type: ignore[union-attr]
+            ex.start()
+        else:
+            self.pending.append(ex)
+            self.pause_reading_for(PAUSE_PIPELINE)
+
+    def on_body(self, body: bytes) -> None:
+        ex = self.reading
+        if ex is not None:
+            ex.on_request_body(body)
+
+    def on_message_complete(self) -> None:
+        ex = self.reading
+        self.reading = None
+        if ex is not None:
+            ex.on_request_complete()
+
+    # -- used by exchanges and the sweeper ------------------------------------
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.write(data)
+
+    def reject(self, response: bytes, status: int) -> None:
+        """Answer a request the proxy refuses, then close (only if nothing else is being sent)."""
+        self.ctx.stats.count_response(status)
+        transport = self.transport
+        if transport is None:
+            return
+        if self.current is None:
+            transport.write(response)
+            transport.close()
+        else:
+            transport.abort()
+
+    def exchange_done(self, ex: Exchange, close: bool) -> None:
+        if self.current is not ex:
+            return
+        self.current = None
+        transport = self.transport
+        if transport is None:
+            return
+        if close or self.ctx.draining:
+            transport.close()
+            return
+        if self.pending:
+            nxt = self.pending.popleft()
+            self.current = nxt
+            if not self.pending:
+                self.resume_reading_for(PAUSE_PIPELINE)
+            nxt.start()
+        else:
+            self.idle_since = self.ctx.now
+
+    def pause_reading_for(self, reason: int) -> None:
+        if self.pause_mask == 0 and self.transport is not None:
+            self.transport.pause_reading()
+        self.pause_mask |= reason
+
+    def resume_reading_for(self, reason: int) -> None:
+        if self.pause_mask & reason:
+            self.pause_mask &= ~reason
+            if self.pause_mask == 0 and self.transport is not None:
+                self.transport.resume_reading()
+
+    def close_if_idle(self) -> None:
+        if self.current is None and self.reading is None and self.transport is not None:
+            self.transport.close()
+
+    def tick(self, now: float) -> None:
+        ex = self.current
+        if ex is not None:
+            ex.tick(now)
+            return
+        transport = self.transport
+        if transport is None:
+            return
+        cfg = self.ctx.config
+        if self.head_started:
+            if now - self.head_started > cfg.header_timeout:
+                transport.abort()  # slowloris: the head never completed
+        elif now - self.idle_since > cfg.keepalive_timeout:
+            transport.close()
+
+
+class Exchange:
+    """One request from arrival to the end of its response."""
+
+    __slots__ = (
+        "attempts",
+        "body",
+        "body_done",
+        "body_len",
+        "body_whole",
+        "chunked",
+        "client",
+        "close_after",
+        "ctx",
+        "deadline_at",
+        "empty_until",
+        "head_line",
+        "head_tail",
+        "is_head",
+        "keep_alive",
+        "last_error",
+        "out",
+        "pool",
+        "progress",
+        "progress_at",
+        "replica",
+        "resp_chunked",
+        "seen_progress",
+        "stale_retry_used",
+        "started",
+        "state",
+        "status",
+        "tried",
+        "upstream",
+    )
+
+    def __init__(self, client: ClientConnection, method: bytes, head_line: bytes,
+                 head_tail: bytes, *, keep_alive: bool, chunked: bool, started: float) -> None:
+        ctx = client.ctx
+        self.ctx = ctx
+        self.client = client
+        self.head_line = head_line
+        self.head_tail = head_tail
+        self.keep_alive = keep_alive
+        self.chunked = chunked
+        self.is_head = method == b"HEAD"
+        self.started = started
+        self.deadline_at = started + ctx.config.retry_deadline
+        self.empty_until = 0.0
+        self.state = NEW
+        self.replica: Replica | None = None
+        self.pool: ReplicaPool | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.attempts = 0
+        self.tried: set[Replica] | None = None
+        self.stale_retry_used = False
+        self.body: list[bytes] = []
+        self.body_len = 0
+        self.body_done = False
+        self.body_whole = True  # every body byte received so far is still held
+        self.out: list[bytes] = []
+        self.resp_chunked = False
+        self.close_after = not keep_alive
+        self.status = 0
+        self.progress = 0
+        self.seen_progress = 0
+        self.progress_at = 0.0
+        self.last_error = "none"
+
+    # -- choosing a replica and a connection ------------------------------------
+
+    def start(self) -> None:
+        ctx = self.ctx
+        ctx.stats.requests_total += 1
+        if ctx.draining:
+            self.respond(http.SHUTTING_DOWN, 503, close=True)
+            return
+        self.pick()
+
+    def pick(self) -> None:
+        ready_set = self.ctx.ready_set
+        replica = ready_set.choose(self.tried)
+        if replica is None:
+            if ready_set.replicas:
+                replica = ready_set.choose(None)  # every replica tried: reuse one
+            if replica is None:
+                self.state = WAIT_REPLICA
+                self.empty_until = min(self.ctx.now + self.ctx.config.empty_wait,
+                                       self.deadline_at)
+                ready_set.add_waiter(self.wake)
+                return
+        self.replica = replica
+        replica.inflight += 1
+        self.attempts += 1
+        self.ctx.stats.attempts += 1
+        pool: ReplicaPool = replica.pool  # type: ignore[assignment]
+        self.pool = pool
+        self.state = WAIT_CONN
+        conn = pool.acquire(self)
+        if conn is not None:
+            self.on_connection(conn)
+
+    def wake(self) -> None:
+        if self.state == WAIT_REPLICA:
+            self.pick()
+
+    def wants_connection(self, pool: ReplicaPool) -> bool:
+        return self.state == WAIT_CONN and self.pool is pool
+
+    def on_connection(self, conn: UpstreamConnection) -> None:
+        self.upstream = conn
+        conn.exchange = self
+        conn.in_response = False
+        conn.body_framed = True
+        self.state = SENT
+        replica: Replica = self.replica  # type: ignore[assignment]
+        parts = [self.head_line, b"Host: ", replica.host_header, http.CRLF, self.head_tail]
+        if self.chunked:
+            parts.extend(http.chunk(b) for b in self.body if b)
+            if self.body_done:
+                parts.append(http.LAST_CHUNK)
+        else:
+            parts.extend(self.body)
+        conn.send(b"".join(parts))
+        if not self.body_whole:
+            self.body.clear()
+        self.client.resume_reading_for(PAUSE_BODY_BUFFER)
+
+    def on_connect_failed(self, error: Exception) -> None:
+        self.last_error = str(error) or type(error).__name__
+        self.release_replica()
+        self.retry_or_fail(free=False)
+
+    # -- the request body -----------------------------------------------------------
+
+    def on_request_body(self, data: bytes) -> None:
+        if self.state == DONE:
+            return  # the replica answered early; the rest of the body is discarded
+        self.body_len += len(data)
+        cfg = self.ctx.config
+        if self.body_len > cfg.max_body:
+            if self.state < STREAMING:
+                self.respond(http.TOO_LARGE, 413, close=True)
+            else:
+                self.cut()
+            return
+        if self.body_whole and self.body_len > cfg.retry_body_limit:
+            self.body_whole = False
+        conn = self.upstream
+        if conn is not None:
+            conn.send(http.chunk(data) if self.chunked else data)
+            if self.body_whole:
+                self.body.append(data)
+            elif self.body:
+                self.body.clear()
+        else:
+            self.body.append(data)
+            if self.body_len > _BODY_BUFFER_HIGH:
+                self.client.pause_reading_for(PAUSE_BODY_BUFFER)
+
+    def on_request_complete(self) -> None:
+        self.body_done = True
+        conn = self.upstream
+        if conn is not None and self.chunked:
+            conn.send(http.LAST_CHUNK)
+
+    # -- the response ---------------------------------------------------------------
+
+    def on_response_headers(self, conn: UpstreamConnection, status: int,
+                            headers: list[tuple[bytes, bytes]]) -> bool:
+        """Relay the response head; True when no body follows (a HEAD request)."""
+        ctx = self.ctx
+        if (status >= 500 and self.replica is not None
+                and self.replica.left_at is not None and self.can_retry()):
+            # A replica that is leaving the set answers 5xx: try another one instead.
+            self.last_error = f"HTTP {status} from a leaving replica"
+            self.detach_upstream(abort=True)
+            self.release_replica()
+            self.retry_or_fail(free=False)
+            return False
+        self.state = STREAMING
+        self.status = status
+        ctx.stats.ttfb.observe(ctx.loop.time() - self.started)
+        out = [http.status_line(status)]
+        hop = http.HOP_BY_HOP
+        length = False
+        chunked = False
+        tokens: set[bytes] | None = None
+        for name, value in headers:
+            lname = name.lower()
+            if lname in hop:
+                if lname == b"transfer-encoding":
+                    chunked = True
+                elif lname == b"connection":
+                    tokens = http.connection_tokens(value)
+                continue
+            if lname == b"content-length":
+                length = True
+            out.append(b"%s: %s\r\n" % (name, value))
+        if tokens and tokens - {b"keep-alive", b"close"}:
+            out = [out[0]] + [
+                line for line in out[1:] if line.split(b":", 1)[0].lower() not in tokens
+            ]
+        no_body = self.is_head or status == 204 or status == 304
+        if not no_body and not length:
+            if not chunked:
+                conn.body_framed = False  # ends when the replica closes
+            if self.client.http11:
+                out.append(b"Transfer-Encoding: chunked\r\n")
+                self.resp_chunked = True
+            else:
+                self.close_after = True  # HTTP/1.0 client: delimit by closing
+        elif self.is_head and chunked:
+            out.append(b"Transfer-Encoding: chunked\r\n")
+        if self.close_after or ctx.draining:
+            self.close_after = True
+            out.append(b"Connection: close\r\n")
+        elif not self.client.http11:
+            out.append(b"Connection: keep-alive\r\n")
+        out.append(http.CRLF)
+        self.out.append(b"".join(out))
+        self.progress_at = ctx.now
+        return self.is_head
+
+    def on_response_body(self, data: bytes) -> None:
+        self.progress += 1
+        if self.resp_chunked:
+            self.out.append(b"%x\r\n" % len(data))
+            self.out.append(data)
+            self.out.append(http.CRLF)
+        else:
+            self.out.append(data)
+
+    def flush_client(self) -> None:
+        out = self.out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def on_response_complete(self, conn: UpstreamConnection, reusable: bool) -> None:
+        if self.resp_chunked:
+            self.out.append(http.LAST_CHUNK)
+        self.flush_client()
+        conn.served += 1
+        self.upstream = None
+        pool: ReplicaPool = self.pool  # type: ignore[assignment]
+        # A request body not fully sent leaves the connection mid-message: not reusable.
+        pool.release(conn, reusable and self.body_done)
+        stats = self.ctx.stats
+        stats.upstream_latency.observe(self.ctx.loop.time() - self.started)
+        stats.count_response(self.status)
+        self.finish(self.close_after)
+
+    def on_upstream_lost(self, conn: UpstreamConnection, in_response: bool) -> None:
+        self.upstream = None
+        if self.state == STREAMING or in_response:
+            # Cut after the first byte: never retried; end the client's stream visibly.
+            self.flush_client()
+            self.ctx.stats.count_response(self.status)
+            self.finish(True)
+            return
+        self.last_error = "UpstreamResetError"
+        free = conn.served > 0 and not self.stale_retry_used
+        self.release_replica(tried=not free)
+        self.retry_or_fail(free=free)
+
+    # -- endings ----------------------------------------------------------------
+
+    def can_retry(self) -> bool:
+        return (self.body_whole and self.ctx.loop.time() < self.deadline_at
+                and self.attempts < self.ctx.config.max_attempts)
+
+    def retry_or_fail(self, free: bool) -> None:
+        if self.state == DONE:
+            return
+        if free:
+            self.stale_retry_used = True
+            self.attempts -= 1
+        if self.can_retry():
+            self.ctx.stats.retries += 1
+            self.pick()
+        elif self.ctx.loop.time() >= self.deadline_at:
+            self.respond(http.DEADLINE, 504)
+        else:
+            self.respond(http.bad_gateway(self.last_error), 502)
+
+    def release_replica(self, tried: bool = True) -> None:
+        replica = self.replica
+        if replica is not None:
+            self.replica = None
+            replica.inflight -= 1
+            if tried:
+                if self.tried is None:
+                    self.tried = {replica}
+                else:
+                    self.tried.add(replica)
+
+    def detach_upstream(self, abort: bool) -> None:
+        conn = self.upstream
+        if conn is not None:
+            self.upstream = None
+            conn.exchange = None
+            if abort:
+                conn.abort()
+        if self.state == WAIT_CONN and self.pool is not None:
+            self.pool.cancel(self)
+        elif self.state == WAIT_REPLICA:
+            self.ctx.ready_set.remove_waiter(self.wake)
+
+    def respond(self, response: bytes, status: int, close: bool = False) -> None:
+        """Answer with a proxy-generated response; only before any response byte was sent."""
+        self.detach_upstream(abort=True)
+        self.release_replica()
+        self.client.write(response)
+        self.ctx.stats.count_response(status)
+        self.finish(close or self.close_after)
+
+    def cut(self) -> None:
+        """End a response that already started: the client sees the connection close."""
+        self.detach_upstream(abort=True)
+        self.flush_client()
+        self.ctx.stats.count_response(self.status)
+        self.finish(True)
+
+    def finish(self, close: bool) -> None:
+        if self.state == DONE:
+            return
+        self.state = DONE
+        self.release_replica(tried=False)
+        self.client.exchange_done(self, close)
+
+    def on_client_lost(self) -> None:
+        """The client went away: cancel the upstream request at once (499)."""
+        if self.state == DONE:
+            return
+        self.detach_upstream(abort=True)
+        self.release_replica(tried=False)
+        self.state = DONE
+        self.ctx.stats.count_response(499)
+
+    def tick(self, now: float) -> None:
+        state = self.state
+        if state == STREAMING:
+            if self.progress != self.seen_progress:
+                self.seen_progress = self.progress
+                self.progress_at = now
+            elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
+                self.cut()
+        elif state == WAIT_REPLICA:
+            if now >= self.deadline_at:
+                self.respond(http.DEADLINE, 504)
+            elif now >= self.empty_until:
+                self.respond(http.NO_REPLICA, 503)
+        elif state == WAIT_CONN or state == SENT:
+            if now >= self.deadline_at:
+                self.respond(http.DEADLINE, 504)
