@@ -147,9 +147,9 @@ class ProxyApp:
         if ctx is not None:
             for conn in list(ctx.connections):
                 conn.close_if_idle()
-            deadline = ctx.loop.time() + self.config.shutdown_grace
-            while ctx.active_exchanges() and ctx.loop.time() < deadline:
-                await asyncio.sleep(0.05)
+            if ctx.connections:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ctx.drained.wait(), self.config.shutdown_grace)
             for conn in list(ctx.connections):
                 if conn.transport is not None:
                     conn.transport.abort()

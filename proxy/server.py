@@ -67,6 +67,7 @@ class ServerContext:
         self.now = self.loop.time()  # coarse clock, advanced by tick()
         self.connections: set[ClientConnection] = set()
         self.draining = False
+        self.drained = asyncio.Event()  # set when draining and the last connection closed
         self.proto_header = b"X-Forwarded-Proto: " + scheme + b"\r\n"
 
     def tick(self) -> None:
@@ -74,9 +75,6 @@ class ServerContext:
         for conn in list(self.connections):
             conn.tick(now)
         self.ready_set.sweep()
-
-    def active_exchanges(self) -> int:
-        return sum(1 for c in self.connections if c.current is not None)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -137,7 +135,10 @@ class ClientConnection(asyncio.Protocol):
             self.reject(http.BAD_REQUEST, 400)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.ctx.connections.discard(self)
+        ctx = self.ctx
+        ctx.connections.discard(self)
+        if ctx.draining and not ctx.connections:
+            ctx.drained.set()
         current = self.current
         self.current = None
         if current is not None:
