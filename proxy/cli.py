@@ -123,6 +123,9 @@ def supervise_workers(n: int, argv: list[str]) -> int:
               help="Sky Serve sync period in seconds (drop-in mode).")
 @click.option("--sync-timeout", type=float, default=5.0, show_default=True,
               help="Timeout of one Sky Serve sync request (drop-in mode).")
+@click.option("--quick-resync/--no-quick-resync", default=True, show_default=True,
+              help="Drop-in mode: when a sync empties a non-empty set, resync after 0.5 s "
+                   "and 1 s while holding requests.")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", "--load-balancer-port", "port", type=int, default=8080,
               show_default=True, help="Port to listen on (0: any free port).")
@@ -153,6 +156,9 @@ def supervise_workers(n: int, argv: list[str]) -> int:
               help="Hold a request this long for a ready replica before 503.")
 @click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=120.0,
               show_default=True, help="Max seconds between response chunks.")
+@click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, help="Seconds a client has to send a whole request head "
+              "(slowloris defence).")
 @click.option("--max-body", type=click.IntRange(0), default=100 * 1024 * 1024,
               show_default=True, help="Largest request body in bytes (413 beyond).")
 @click.option("--shutdown-grace", type=click.FloatRange(0), default=30.0, show_default=True,
@@ -189,6 +195,7 @@ def proxy_command(**opts: object) -> None:
         controller_addr=opts["controller_addr"],  # type: ignore[arg-type]
         sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
         sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]
+        quick_resync=bool(opts["quick_resync"]),
         policy=opts["policy"],  # type: ignore[arg-type]
         target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
         pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
@@ -198,6 +205,7 @@ def proxy_command(**opts: object) -> None:
         connect_timeout=float(opts["connect_timeout"]),  # type: ignore[arg-type]
         empty_wait=float(opts["empty_wait"]),  # type: ignore[arg-type]
         stream_idle_timeout=float(opts["stream_idle_timeout"]),  # type: ignore[arg-type]
+        header_timeout=float(opts["header_timeout"]),  # type: ignore[arg-type]
         max_body=int(opts["max_body"]),  # type: ignore[call-overload]
         shutdown_grace=float(opts["shutdown_grace"]),  # type: ignore[arg-type]
         tls_certfile=opts["tls_certfile"],  # type: ignore[arg-type]

@@ -21,6 +21,7 @@ class ProxyConfig:
     controller_addr: str | None = None
     sync_interval: float = 5.0
     sync_timeout: float = 5.0
+    quick_resync: bool = True  # resync at once when a sync empties a non-empty set
     # Routing.
     policy: str | None = None  # None: the snapshot's policy (least_load by default)
     target_qps: dict[str, float] = field(default_factory=dict)

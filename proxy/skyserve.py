@@ -70,6 +70,7 @@ class SkyServeSource:
         self._url = config.controller_addr.rstrip("/") + SYNC_PATH
         self._interval = config.sync_interval
         self._timeout = config.sync_timeout
+        self._quick_resync = QUICK_RESYNC if config.quick_resync else ()
         self._policy = config.policy or "least_load"
         self._stats = stats
         self._session: aiohttp.ClientSession | None = None
@@ -168,7 +169,7 @@ class SkyServeSource:
                 if ok and had and not self._ready_set.replicas:
                     # Likely Sky Serve's relabel/active-versions gap: look again soon while
                     # the proxy holds requests, instead of waiting a full interval.
-                    for delay in QUICK_RESYNC:
+                    for delay in self._quick_resync:
                         await asyncio.sleep(delay)
                         if await self.sync_once() and self._ready_set.replicas:
                             break
