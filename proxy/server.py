@@ -23,6 +23,7 @@ extra attempt that does not count against `max_attempts`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ from proxy.stats import Stats
 if TYPE_CHECKING:
     from proxy.pool import ReplicaPool
     from proxy.upstream import UpstreamConnection
+
+log = logging.getLogger("sluice.proxy")
 
 # Exchange states, in order.
 NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
@@ -130,7 +133,9 @@ class ClientConnection(asyncio.Protocol):
             if isinstance(cause, _Reject):
                 self.reject(cause.response, cause.status)
             else:
-                raise
+                log.error("request path bug, connection dropped", exc_info=cause)
+                if self.transport is not None:
+                    self.transport.abort()
         except httptools.HttpParserError:
             self.reject(http.BAD_REQUEST, 400)
 
@@ -413,8 +418,7 @@ class Exchange:
         ctx = self.ctx
         ctx.stats.requests_total += 1
         if ctx.draining:
-            self.respond(http.SHUTTING_DOWN, 503, close=True)
-            return
+            self.close_after = True  # served, but the connection closes after it
         self.pick()
 
     def pick(self) -> None:
@@ -461,8 +465,11 @@ class Exchange:
                 parts.append(http.LAST_CHUNK)
         else:
             parts.extend(self.body)
+        if conn.paused:
+            conn.resume_reading()  # paused by a previous exchange's slow client
         conn.send(b"".join(parts))
-        if not self.body_whole:
+        if self.body_len > self.ctx.config.retry_body_limit:
+            self.body_whole = False
             self.body.clear()
         self.client.resume_reading_for(PAUSE_BODY_BUFFER)
 
@@ -484,16 +491,18 @@ class Exchange:
             else:
                 self.cut()
             return
-        if self.body_whole and self.body_len > cfg.retry_body_limit:
-            self.body_whole = False
         conn = self.upstream
         if conn is not None:
             conn.send(http.chunk(data) if self.chunked else data)
             if self.body_whole:
-                self.body.append(data)
-            elif self.body:
-                self.body.clear()
+                if self.body_len <= cfg.retry_body_limit:
+                    self.body.append(data)
+                else:
+                    # Too large to keep for a retry: this request can no longer be retried.
+                    self.body_whole = False
+                    self.body.clear()
         else:
+            # Not sent anywhere yet: hold it all (reading pauses past the high-water mark).
             self.body.append(data)
             if self.body_len > _BODY_BUFFER_HIGH:
                 self.client.pause_reading_for(PAUSE_BODY_BUFFER)
@@ -667,6 +676,7 @@ class Exchange:
             return
         self.state = DONE
         self.release_replica(tried=False)
+        self.client.resume_reading_for(PAUSE_BODY_BUFFER | PAUSE_UPSTREAM)
         self.client.exchange_done(self, close)
 
     def on_client_lost(self) -> None:

@@ -15,6 +15,7 @@ ends in connection_lost.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import httptools
@@ -22,6 +23,8 @@ import httptools
 if TYPE_CHECKING:
     from proxy.pool import ReplicaPool
     from proxy.server import Exchange
+
+log = logging.getLogger("sluice.proxy")
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -33,6 +36,7 @@ class UpstreamConnection(asyncio.Protocol):
         "in_response",
         "keep_alive",
         "parser",
+        "paused",
         "pool",
         "reset_parser",
         "served",
@@ -53,6 +57,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.in_response = False  # headers seen, body not finished
         self.body_framed = True  # False: the body ends when the connection closes
         self.reset_parser = False
+        self.paused = False  # reading paused because the client reads slowly
 
     # -- asyncio.Protocol ---------------------------------------------------
 
@@ -67,8 +72,12 @@ class UpstreamConnection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except httptools.HttpParserCallbackError as exc:
+            log.error("response path bug, upstream connection dropped", exc_info=exc.__context__)
             self.abort()
+            return
+        except httptools.HttpParserError:
+            self.abort()  # the replica spoke malformed HTTP
             return
         if self.reset_parser:
             self.reset_parser = False
@@ -159,10 +168,12 @@ class UpstreamConnection(asyncio.Protocol):
 
     def pause_reading(self) -> None:
         transport = self.transport
-        if transport is not None and not self.closed:
+        if transport is not None and not self.closed and not self.paused:
+            self.paused = True
             transport.pause_reading()
 
     def resume_reading(self) -> None:
         transport = self.transport
-        if transport is not None and not self.closed:
+        if transport is not None and not self.closed and self.paused:
+            self.paused = False
             transport.resume_reading()

@@ -1,0 +1,321 @@
+"""The Redis source of the ready set (`sluice-proxy --redis URL --service NAME`), and
+the request-rate flusher that feeds the autoscaler.
+
+RedisSource keeps the proxy's ReadySet equal to the newest ReadySnapshot the
+controller committed:
+
+- subscribe to `{prefix}:svc:{name}:ready` first, then GET `{prefix}:svc:{name}:snapshot`,
+  so no commit falls between the two; apply whichever is newer (ReadySet.apply
+  ignores generations not above the current one, so stale and duplicate messages
+  are no-ops);
+- GET again on every (re)connect and every `resync_interval` seconds: pub/sub is
+  at-most-once, and a message lost while reconnecting is recovered this way;
+- a payload that fails validation is rejected: the set in force stays, the
+  payload is logged and counted once (`stats.snapshots_rejected`);
+- Redis unreachable: keep the last snapshot, reconnect with capped, jittered
+  backoff (`stats.source_connected` says which).
+
+Every `flush_interval` seconds it also adds the requests counted since the last
+flush (`stats.requests_total`) to `{prefix}:svc:{name}:rps`, field = the unix
+second; a failed flush keeps the count for the next one. Nothing here runs on
+the request path.
+
+The proxy never imports the control plane, so the three key names below are
+spelled here too; they must match `controlplane.store.Keys` (a test checks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from proxy.config import ProxyConfig
+from proxy.errors import ConfigError, SnapshotInvalid
+from proxy.readyset import ReadySet
+from proxy.snapshot import decode_snapshot
+from proxy.stats import Stats
+
+log = logging.getLogger("sluice.proxy.redis")
+
+
+def snapshot_key(prefix: str, service: str) -> str:
+    """The string holding the latest ReadySnapshot (= controlplane Keys.snapshot)."""
+    return f"{prefix}:svc:{service}:snapshot"
+
+
+def ready_channel(prefix: str, service: str) -> str:
+    """The channel every new ReadySnapshot is published on (= controlplane Keys.ready)."""
+    return f"{prefix}:svc:{service}:ready"
+
+
+def rps_key(prefix: str, service: str) -> str:
+    """The hash of per-second request counts (= controlplane Keys.rps)."""
+    return f"{prefix}:svc:{service}:rps"
+
+
+class RedisSource:
+    """Feeds a ReadySet from Redis and flushes request counts back; see the module doc.
+
+    Reads `redis_url`, `service`, `redis_prefix`, `sync_interval` (the re-GET
+    period) and `sync_timeout` (per Redis command) from the config; the keyword
+    arguments tune the rest. The constructor only assigns; `start()` connects and starts the two
+    background tasks, `aclose()` cancels and awaits them and closes the client.
+    """
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        stats: Stats,
+        *,
+        resync_interval: float | None = None,
+        flush_interval: float = 1.0,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 5.0,
+        connect_timeout: float = 2.0,
+        start_timeout: float = 2.0,
+        rps_ttl: int = 3600,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if config.redis_url is None or config.service is None:
+            raise ConfigError("--redis needs a URL and --service NAME")
+        self._url = config.redis_url
+        self._service = config.service
+        self._stats = stats
+        self._snapshot_key = snapshot_key(config.redis_prefix, config.service)
+        self._channel = ready_channel(config.redis_prefix, config.service)
+        self._rps_key = rps_key(config.redis_prefix, config.service)
+        # The safety-net re-GET shares the sync interval of the other sources (5 s).
+        self._resync_interval = config.sync_interval if resync_interval is None else resync_interval
+        self._command_timeout = config.sync_timeout
+        self._flush_interval = flush_interval
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._connect_timeout = connect_timeout
+        self._start_timeout = start_timeout
+        self._rps_ttl = rps_ttl
+        self._clock = clock
+        self._ready_set: ReadySet | None = None
+        self._client: aioredis.Redis | None = None
+        self._sync_task: asyncio.Task[None] | None = None
+        self._flush_task: asyncio.Task[None] | None = None
+        self._synced = asyncio.Event()
+        self._failures = 0  # consecutive failed sessions; drives the backoff
+        self._flushed = 0  # stats.requests_total at the last successful flush
+        self._flush_failing = False
+        self._applied_any = False
+        self._rejected: deque[bytes] = deque(maxlen=16)  # digests of rejected payloads
+
+    @property
+    def connected(self) -> bool:
+        """True while subscribed and in sync with Redis."""
+        return self._stats.source_connected == 1
+
+    async def start(self, ready_set: ReadySet) -> None:
+        """Connect, load the current snapshot (waiting up to `start_timeout`), and keep
+        following. Redis being down is not an error: the loop keeps trying."""
+        if self._client is not None:
+            raise RuntimeError("RedisSource already started")
+        try:
+            self._client = aioredis.Redis.from_url(
+                self._url,
+                socket_connect_timeout=self._connect_timeout,
+                socket_timeout=self._command_timeout,
+                # Reconnection is ours (backoff, re-GET); redis-py must not retry quietly.
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--redis: {exc}") from exc
+        self._ready_set = ready_set
+        self._flushed = self._stats.requests_total
+        self._sync_task = asyncio.create_task(self._sync_loop(), name="sluice-redis-sync")
+        self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._start_timeout):
+                await self._synced.wait()
+
+    async def aclose(self) -> None:
+        """Stop both tasks, flush the last request counts (briefly), close the client."""
+        tasks = [t for t in (self._sync_task, self._flush_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sync_task = self._flush_task = None
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(min(1.0, self._command_timeout)):
+                    await self._flush(client)
+            await client.aclose()
+        self._stats.source_connected = 0
+
+    # -- following snapshots ------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop's one broad except: log, back off, retry
+                was_connected = self._stats.source_connected == 1
+                self._stats.source_connected = 0
+                if was_connected or self._failures == 0:
+                    ready_set = self._ready_set
+                    generation = -1 if ready_set is None else ready_set.generation
+                    log.warning(
+                        "redis source for %s: %s; keeping generation %d, reconnecting",
+                        self._service,
+                        _describe(exc),
+                        generation,
+                    )
+                else:
+                    log.debug("redis source for %s: still failing: %s", self._service, exc)
+            await asyncio.sleep(self._backoff())
+            self._failures += 1
+
+    def _backoff(self) -> float:
+        ceiling = min(self._backoff_max, self._backoff_initial * 2.0 ** min(self._failures, 30))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)  # equal jitter
+
+    async def _session(self) -> None:
+        """One connection's life: subscribe, GET, then follow; returns only by raising."""
+        client = self._client
+        assert client is not None
+        pubsub = client.pubsub()
+        try:
+            await pubsub.subscribe(self._channel)
+            # The GET must come after the server registered the subscription, or a
+            # commit between the two would be missed until the next resync.
+            async with asyncio.timeout(self._connect_timeout):
+                while True:
+                    message = await pubsub.get_message(timeout=self._connect_timeout)
+                    if message is not None and message["type"] == "subscribe":
+                        break
+            await self._resync(client)
+            if self._failures:
+                log.info(
+                    "redis source for %s: reconnected at generation %d",
+                    self._service,
+                    self._generation(),
+                )
+            self._failures = 0
+            self._stats.source_connected = 1
+            self._synced.set()
+            loop = asyncio.get_running_loop()
+            next_resync = loop.time() + self._resync_interval
+            while True:
+                wait = max(0.0, next_resync - loop.time())
+                message = await pubsub.get_message(timeout=wait)
+                if message is not None and message["type"] == "message":
+                    self._offer(message["data"], via_publish=True)
+                if loop.time() >= next_resync:
+                    await self._resync(client)
+                    next_resync = loop.time() + self._resync_interval
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _resync(self, client: aioredis.Redis) -> None:
+        payload = await client.get(self._snapshot_key)
+        if payload is not None:
+            self._offer(payload, via_publish=False)
+
+    def _offer(self, payload: Any, *, via_publish: bool) -> None:
+        """Apply a payload if valid and newer; reject it (kept set, logged, counted) if not."""
+        ready_set = self._ready_set
+        assert ready_set is not None
+        raw = payload.encode() if isinstance(payload, str) else bytes(payload)
+        try:
+            snapshot = decode_snapshot(raw)
+            if snapshot.service != self._service:
+                raise SnapshotInvalid(f"snapshot of service {snapshot.service!r}")
+            if snapshot.generation <= ready_set.generation:
+                return  # stale or duplicate
+            applied = ready_set.apply(snapshot)
+        except (SnapshotInvalid, ConfigError) as exc:
+            self._reject(raw, exc)
+            return
+        if not applied:
+            return
+        # The first snapshot loaded is however old it is; only later ones measure how
+        # long a commit took to reach this proxy.
+        if self._applied_any:
+            self._stats.propagation.observe(max(0.0, self._clock() - snapshot.published_at))
+        self._applied_any = True
+        log.debug(
+            "service %s: applied generation %d (%d replicas) via %s",
+            self._service,
+            snapshot.generation,
+            len(snapshot.replicas),
+            "publish" if via_publish else "get",
+        )
+
+    def _reject(self, raw: bytes, exc: Exception) -> None:
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
+        if digest in self._rejected:
+            return  # the same payload again (the periodic re-GET): logged and counted once
+        self._rejected.append(digest)
+        self._stats.snapshots_rejected += 1
+        log.warning(
+            "service %s: rejected snapshot payload (%d bytes): %s; keeping generation %d",
+            self._service,
+            len(raw),
+            str(exc)[:300],
+            self._generation(),
+        )
+
+    def _generation(self) -> int:
+        return -1 if self._ready_set is None else self._ready_set.generation
+
+    # -- request counts ---------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        client = self._client
+        assert client is not None
+        interval = self._flush_interval
+        while True:
+            # Ticks on multiples of the interval (whole seconds by default), so each
+            # flush covers about one second.
+            await asyncio.sleep(interval - self._clock() % interval)
+            try:
+                await self._flush(client)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop's one broad except; the count is kept
+                if not self._flush_failing:
+                    log.warning("service %s: rps flush failed: %s", self._service, _describe(exc))
+                self._flush_failing = True
+            else:
+                self._flush_failing = False
+
+    async def _flush(self, client: aioredis.Redis) -> None:
+        total = self._stats.requests_total
+        delta = total - self._flushed
+        if delta <= 0:
+            self._flushed = total
+            return
+        # The second most of these requests fell in (the tick is just past its end).
+        second = int(self._clock() - min(self._flush_interval, 1.0) / 2)
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.hincrby(self._rps_key, str(second), delta)
+            # Without a controller to trim it the hash would grow forever.
+            pipe.expire(self._rps_key, self._rps_ttl)
+            await pipe.execute()
+        self._flushed = total
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
