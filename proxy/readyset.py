@@ -113,15 +113,19 @@ class ReadySet:
         if self.snapshot is not None and snapshot.generation <= self.snapshot.generation:
             return False
         now = self._clock()
+        # Build every new Replica before touching any state: a URL that fails here
+        # (ConfigError) leaves the set exactly as it was.
+        fresh = {info.url: Replica(info) for info in snapshot.replicas
+                 if info.url not in self.known}
         replicas: list[Replica] = []
         for info in snapshot.replicas:
-            replica = self.known.get(info.url)
-            if replica is None:
-                replica = Replica(info)
+            replica = fresh.get(info.url)
+            if replica is not None:
                 if self._pool_factory is not None:
                     replica.pool = self._pool_factory(replica)
                 self.known[info.url] = replica
             else:
+                replica = self.known[info.url]
                 replica.refresh(info)
             replica.left_at = None
             replicas.append(replica)

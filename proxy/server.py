@@ -84,6 +84,7 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = (
         "ctx",
         "current",
+        "head_read",
         "head_started",
         "header_bytes",
         "headers",
@@ -107,6 +108,7 @@ class ClientConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
         self.head_started = 0.0  # > 0 while a request head is being read
+        self.head_read = 0  # bytes of later reads that left the head still unfinished
         self.http11 = True
         self.reading: Exchange | None = None  # request whose body is being read
         self.current: Exchange | None = None  # exchange answering the client now
@@ -124,6 +126,7 @@ class ClientConnection(asyncio.Protocol):
         self.ctx.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        continuing = self.head_started
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -138,6 +141,12 @@ class ClientConnection(asyncio.Protocol):
                     self.transport.abort()
         except httptools.HttpParserError:
             self.reject(http.BAD_REQUEST, 400)
+        else:
+            if continuing and self.head_started:
+                # llhttp reports a header only once its line ends: bound an endless one here.
+                self.head_read += len(data)
+                if self.head_read > self.ctx.config.max_header_bytes:
+                    self.reject(http.HEADERS_TOO_LARGE, 431)
 
     def connection_lost(self, exc: Exception | None) -> None:
         ctx = self.ctx
@@ -171,6 +180,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self.head_started = self.ctx.loop.time()
+        self.head_read = 0
         self.url = b""
         self.headers = []
         self.header_bytes = 0
@@ -200,7 +210,7 @@ class ClientConnection(asyncio.Protocol):
         keep = []
         host = b""
         xff = b""
-        chunked = False
+        chunked = b""  # the Transfer-Encoding value; re-chunked upstream as received
         expect = False
         n_length = 0
         length = 0
@@ -212,7 +222,7 @@ class ClientConnection(asyncio.Protocol):
                 if lname == b"host":
                     host = value
                 elif lname == b"transfer-encoding":
-                    chunked = True
+                    chunked = value
                 elif lname == b"expect":
                     expect = value.lower() == b"100-continue"
                 elif lname == b"connection":
@@ -243,7 +253,7 @@ class ClientConnection(asyncio.Protocol):
         if host:
             keep.append(b"X-Forwarded-Host: %s\r\n" % host)
         if chunked:
-            keep.append(b"Transfer-Encoding: chunked\r\n")
+            keep.append(b"Transfer-Encoding: %s\r\n" % chunked)
         keep.append(http.CRLF)
         ex = Exchange(
             self,
@@ -251,7 +261,7 @@ class ClientConnection(asyncio.Protocol):
             method + b" " + self.url + b" HTTP/1.1\r\n",
             b"".join(keep),
             keep_alive=parser.should_keep_alive(),
-            chunked=chunked,
+            chunked=bool(chunked),
             started=started,
         )
         self.reading = ex
