@@ -1,0 +1,239 @@
+"""How fast a committed ReadySnapshot reaches the proxies, and what a commit costs.
+
+One committer (controlplane.store.Store.commit) and N proxy *processes*, each
+running proxy.subscriber.RedisSource into a ReadySet, as sluice-proxy does.
+The committer commits `--commits` snapshots (2 -> 3 -> 2 replicas, every one a
+new generation); each proxy records, for every snapshot it applies, the time
+from the snapshot's `published_at` (set by the committer just before its
+MULTI/EXEC) to the moment the ReadySet swapped it in, and reports them over a
+pipe. Then it times one commit against services of 10, 100 and 1,000 replicas.
+Prints tables; asserts nothing. Everything runs on 127.0.0.1 against an
+embedded redis-server that is stopped at the end; proxy processes are joined,
+or killed by pid.
+
+    python bench/propagation.py [--proxies 8] [--commits 1000] [--interval 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/propagation.py` without installing
+    sys.path.insert(0, str(REPO))
+
+import redis  # noqa: E402
+import uvloop  # noqa: E402
+
+from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus  # noqa: E402
+from controlplane.redisserver import EmbeddedRedis  # noqa: E402
+from controlplane.store import Store  # noqa: E402
+from proxy.config import ProxyConfig  # noqa: E402
+from proxy.readyset import ReadySet  # noqa: E402
+from proxy.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
+from proxy.stats import Stats  # noqa: E402
+from proxy.subscriber import RedisSource  # noqa: E402
+
+PREFIX = "bench"
+SERVICE = "prop"
+COMMIT_SIZES = (10, 100, 1000)
+
+
+# -- the proxy processes --------------------------------------------------------------------
+
+
+class TimingReadySet(ReadySet):
+    """A ReadySet noting, per applied snapshot, published_at -> applied (seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording = False
+        self.latencies: list[float] = []
+
+    def apply(self, snapshot: ReadySnapshot) -> bool:
+        applied = super().apply(snapshot)
+        if applied and self.recording:
+            self.latencies.append(time.time() - snapshot.published_at)
+        return applied
+
+
+def proxy_process(url: str, conn: Connection) -> None:
+    uvloop.run(_proxy(url, conn))
+
+
+async def _proxy(url: str, conn: Connection) -> None:
+    ready_set = TimingReadySet()
+    config = ProxyConfig(redis_url=url, service=SERVICE, redis_prefix=PREFIX)
+    source = RedisSource(config, Stats())
+    await source.start(ready_set)
+    try:
+        ready_set.recording = True
+        conn.send(ready_set.generation)
+        loop = asyncio.get_running_loop()
+        final: int = await loop.run_in_executor(None, conn.recv)
+        deadline = loop.time() + 30
+        while ready_set.generation < final and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        conn.send((ready_set.generation, ready_set.latencies))
+    finally:
+        await source.aclose()
+        ready_set.close()
+
+
+# -- the committer --------------------------------------------------------------------------
+
+
+def replica(i: int, ready: bool = True) -> ReplicaRecord:
+    status = ReplicaStatus.READY if ready else ReplicaStatus.NOT_READY
+    return ReplicaRecord(
+        id=i, status=status, url=f"http://10.0.{i // 250}.{i % 250}:8000", accelerator="A100:1"
+    )
+
+
+async def register(store: Store, name: str, replicas: list[ReplicaRecord]) -> None:
+    record = ServiceRecord(name=name, status=ServiceStatus.READY)
+    await store.register_service(record, b"{}")
+    if replicas:
+        await store.commit(name, replica_updates=replicas)
+
+
+async def propagation(
+    store: Store, url: str, proxies: int, commits: int, interval: float
+) -> tuple[list[float], list[int], list[float]]:
+    """Commit `commits` snapshots under `proxies` subscribed processes; return every
+    proxy's latencies (pooled), the generation each reached, and commit times."""
+    await register(store, SERVICE, [replica(1), replica(2)])
+    ctx = multiprocessing.get_context("spawn")
+    pipes: list[Connection] = []
+    procs = []
+    try:
+        for _ in range(proxies):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=proxy_process, args=(url, child), daemon=True)
+            proc.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(proc)
+        loop = asyncio.get_running_loop()
+        for pipe in pipes:  # each proxy has loaded the current snapshot and subscribed
+            await loop.run_in_executor(None, pipe.recv)
+        commit_times = []
+        last = None
+        for i in range(commits):
+            start = time.perf_counter()
+            last = await store.commit(SERVICE, replica_updates=[replica(3, ready=i % 2 == 0)])
+            commit_times.append(time.perf_counter() - start)
+            if interval:
+                await asyncio.sleep(interval)
+        assert last is not None
+        for pipe in pipes:
+            pipe.send(last.generation)
+        latencies: list[float] = []
+        reached: list[int] = []
+        for pipe in pipes:
+            generation, lat = await loop.run_in_executor(None, pipe.recv)
+            reached.append(generation)
+            latencies.extend(lat)
+        return latencies, reached, commit_times
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, 9)
+                proc.join()
+        for pipe in pipes:
+            pipe.close()
+
+
+async def commit_cost(store: Store, size: int, rounds: int) -> tuple[list[float], float, int]:
+    """Time `rounds` commits that flip one replica of a `size`-replica service: wall
+    times, the committer's mean CPU time per commit, the snapshot size."""
+    name = f"size{size}"
+    await register(store, name, [replica(i) for i in range(1, size + 1)])
+    times = []
+    snapshot = None
+    cpu = time.process_time()
+    for i in range(rounds):
+        start = time.perf_counter()
+        snapshot = await store.commit(name, replica_updates=[replica(1, ready=i % 2 == 1)])
+        times.append(time.perf_counter() - start)
+    cpu = (time.process_time() - cpu) / rounds
+    assert snapshot is not None
+    return times, cpu, len(encode_snapshot(snapshot))
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return at(0.5) * 1e3, at(0.99) * 1e3, ordered[-1] * 1e3
+
+
+async def run(args: argparse.Namespace, url: str) -> None:
+    async with Store.from_url(url, prefix=PREFIX) as store:
+        latencies, reached, commit_times = await propagation(
+            store, url, args.proxies, args.commits, args.interval
+        )
+        sizes = []
+        for size in COMMIT_SIZES:
+            sizes.append((size, *await commit_cost(store, size, args.rounds)))
+    with redis.Redis.from_url(url) as client:
+        version = client.info("server")["redis_version"]
+
+    print(
+        f"redis-server {version} (embedded, no persistence), Python "
+        f"{platform.python_version()} + uvloop, {os.cpu_count()} CPUs\n"
+    )
+    expected = args.proxies * args.commits
+    p50, p99, top = quantiles(latencies)
+    print(
+        f"commit -> applied: {args.commits} commits (2 -> 3 -> 2 replicas), "
+        f"{args.proxies} proxy processes, interval {args.interval * 1e3:g} ms"
+    )
+    print("| proxies | applied | p50 ms | p99 ms | max ms | generations reached |")
+    print("|---:|---:|---:|---:|---:|---|")
+    print(
+        f"| {args.proxies} | {len(latencies)}/{expected} | {p50:.2f} | {p99:.2f} | {top:.2f} "
+        f"| {min(reached)}..{max(reached)} |"
+    )
+    c50, c99, ctop = quantiles(commit_times)
+    print(f"\n(those commits, 3 replicas: p50 {c50:.2f} ms, p99 {c99:.2f} ms, max {ctop:.2f} ms)")
+    print(f"\none commit (WATCH, read, compute, MULTI/EXEC + PUBLISH), {args.rounds} commits each")
+    print("| replicas | p50 ms | p99 ms | max ms | mean ms | committer CPU ms | snapshot bytes |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for size, times, cpu, payload in sizes:
+        s50, s99, stop = quantiles(times)
+        mean = statistics.fmean(times) * 1e3
+        print(
+            f"| {size} | {s50:.2f} | {s99:.2f} | {stop:.2f} | {mean:.2f} | {cpu * 1e3:.2f} "
+            f"| {payload} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxies", type=int, default=8)
+    parser.add_argument("--commits", type=int, default=1000)
+    parser.add_argument("--interval", type=float, default=0.0, help="pause between commits (s)")
+    parser.add_argument("--rounds", type=int, default=200, help="commits per size when timing")
+    args = parser.parse_args()
+    with EmbeddedRedis() as server:
+        uvloop.run(run(args, server.url))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The control plane's records, and the one pure function from them to a ReadySnapshot.
+
+Records are msgspec Structs stored as JSON in Redis by `controlplane.store` (the
+only module that reads or writes them). They are frozen: change one with
+`msgspec.structs.replace(record, status=...)` and hand it to `Store.commit`.
+
+`compute_snapshot` is the only place that decides which replicas a proxy may
+route to; `Store.commit` calls it inside the transaction that writes the
+records, so the snapshot in Redis always agrees with the records beside it.
+Records allow unknown fields, so an older controller reads a newer one's data.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Iterable
+from typing import Annotated
+
+import msgspec
+
+from proxy.snapshot import ReadyReplica, ReadySnapshot
+
+
+class ReplicaStatus(enum.StrEnum):
+    """Replica states, as in Sky Serve."""
+
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    STARTING = "STARTING"
+    READY = "READY"
+    NOT_READY = "NOT_READY"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    FAILED = "FAILED"
+    FAILED_INITIAL_DELAY = "FAILED_INITIAL_DELAY"
+    FAILED_PROBING = "FAILED_PROBING"
+    FAILED_PROVISION = "FAILED_PROVISION"
+    FAILED_CLEANUP = "FAILED_CLEANUP"
+    PREEMPTED = "PREEMPTED"
+
+
+#: States from which a replica never comes back on its own (Sky Serve's failed set).
+FAILED_REPLICA_STATUSES = frozenset(
+    {
+        ReplicaStatus.FAILED,
+        ReplicaStatus.FAILED_INITIAL_DELAY,
+        ReplicaStatus.FAILED_PROBING,
+        ReplicaStatus.FAILED_PROVISION,
+        ReplicaStatus.FAILED_CLEANUP,
+    }
+)
+
+
+class ServiceStatus(enum.StrEnum):
+    """Service states, as in Sky Serve."""
+
+    CONTROLLER_INIT = "CONTROLLER_INIT"
+    REPLICA_INIT = "REPLICA_INIT"
+    CONTROLLER_FAILED = "CONTROLLER_FAILED"
+    READY = "READY"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    FAILED = "FAILED"
+    FAILED_CLEANUP = "FAILED_CLEANUP"
+    NO_REPLICA = "NO_REPLICA"
+
+
+class UpdateMode(enum.StrEnum):
+    """How a new version takes over: alongside the old one, or all at once when ready."""
+
+    ROLLING = "rolling"
+    BLUE_GREEN = "blue_green"
+
+
+#: http(s)://host[:port][/path]: a URL the proxy can route to. Checked when a record is
+#: decoded (`Store.commit` round-trips every record it writes), not by the constructor.
+ReplicaUrl = Annotated[
+    str,
+    msgspec.Meta(pattern=r"^https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#@:\[\]]+)(:[0-9]{1,5})?(/\S*)?$"),
+]
+
+#: Backend-specific way to find a replica again (pid and log path, cluster name ...).
+Handle = dict[str, str | int | float | bool | None]
+
+
+class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One service, stored field by field in the `{prefix}:svc:{name}` hash.
+
+    `active_versions` is derived: `Store.commit` overwrites it with
+    `compute_active_versions` of the records it commits.
+    """
+
+    name: str
+    status: ServiceStatus = ServiceStatus.CONTROLLER_INIT
+    version: int = 1  # the latest version; its spec is at `{prefix}:svc:{name}:spec:{version}`
+    active_versions: tuple[int, ...] = ()
+    update_mode: UpdateMode = UpdateMode.ROLLING
+    policy: str = "least_load"  # the load-balancing policy proxies use
+    endpoint: str | None = None  # where clients reach the service (the proxy's URL)
+    created_at: float = 0.0
+    # version -> min_replicas of that version's spec; blue_green switches to a version only
+    # once this many of its replicas are READY (absent: 1).
+    min_replicas: dict[int, int] = {}
+    # The id the next replica of this service gets; ids are never reused.
+    next_replica_id: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name or ":" in self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"service name must be non-empty without ':' or spaces: {self.name!r}")
+        if self.version < 1:
+            raise ValueError(f"service {self.name}: version must be >= 1, got {self.version}")
+
+
+class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, gc=False):
+    """One replica, stored as JSON under its id in the `{prefix}:svc:{name}:replicas` hash.
+
+    Not tracked by the garbage collector (it holds no references back to itself):
+    a commit decodes the whole table, and thousands of tracked objects per commit
+    trigger collections that cost more than the commit.
+    """
+
+    id: int
+    status: ReplicaStatus = ReplicaStatus.PENDING
+    version: int = 1
+    url: ReplicaUrl | None = None  # None until the backend knows it
+    backend: str = "local"  # local | external | skypilot
+    handle: Handle = {}
+    spot: bool = False
+    accelerator: str | None = None  # e.g. "A100:1", for instance_aware_least_load
+    target_qps: float | None = None
+    launched_at: float | None = None
+    first_ready_at: float | None = None
+    status_since: float | None = None  # when `status` last changed (drain timing)
+    failures: int = 0  # consecutive failed probes
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of the `{prefix}:svc:{name}:events` stream (audit trail)."""
+
+    id: str  # the stream entry id
+    kind: str  # e.g. update, launch, terminate, failure
+    at: float
+    fields: dict[str, str] = {}
+
+
+class Nudge(msgspec.Struct, frozen=True, kw_only=True):
+    """A message on `{prefix}:control`: reconcile `service` now.
+
+    `reason` is "changed" (an ops command wrote the service) or "demand" (a proxy
+    holds requests while the service has no replica). Ops scripts may publish the
+    bare service name instead of JSON; `decode_nudge` accepts both.
+    """
+
+    service: str
+    reason: str = "changed"
+
+
+class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
+    """One service as read in a single MULTI/EXEC: records and snapshot agree."""
+
+    record: ServiceRecord
+    replicas: dict[int, ReplicaRecord]
+    snapshot: ReadySnapshot | None
+    generation: int
+
+
+_NUDGE_DECODER = msgspec.json.Decoder(Nudge)
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_nudge(nudge: Nudge) -> bytes:
+    """The JSON payload published on the control channel."""
+    return _ENCODER.encode(nudge)
+
+
+def decode_nudge(payload: bytes | str) -> Nudge:
+    """Parse a control-channel message: JSON Nudge, or a bare service name."""
+    raw = payload.encode() if isinstance(payload, str) else payload
+    if raw.lstrip().startswith(b"{"):
+        return _NUDGE_DECODER.decode(raw)
+    return Nudge(service=raw.decode().strip())
+
+
+def _routable(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
+    return [r for r in replicas if r.status is ReplicaStatus.READY and r.url is not None]
+
+
+def _active(record: ServiceRecord, routable: list[ReplicaRecord]) -> tuple[int, ...]:
+    counts: dict[int, int] = {}
+    for replica in routable:
+        counts[replica.version] = counts.get(replica.version, 0) + 1
+    if not counts:
+        return ()
+    match record.update_mode:
+        case UpdateMode.ROLLING:
+            return tuple(sorted(counts))
+        case UpdateMode.BLUE_GREEN:
+            for version in sorted(counts, reverse=True):
+                if counts[version] >= max(1, record.min_replicas.get(version, 1)):
+                    return (version,)
+            return (min(counts),)
+
+
+def compute_active_versions(
+    record: ServiceRecord, replicas: Iterable[ReplicaRecord]
+) -> tuple[int, ...]:
+    """The versions proxies route to, as in Sky Serve.
+
+    rolling: every version with a READY replica. blue_green: the newest version
+    with at least its `min_replicas` READY; failing that, the oldest version with
+    a READY replica (the one still serving). No READY replica: none.
+    """
+    return _active(record, _routable(replicas))
+
+
+def _one_per_url(replicas: list[ReplicaRecord]) -> list[ReplicaRecord]:
+    by_url: dict[str | None, ReplicaRecord] = {}
+    for replica in replicas:
+        seen = by_url.get(replica.url)
+        if seen is None or (replica.version, -replica.id) > (seen.version, -seen.id):
+            by_url[replica.url] = replica
+    return list(by_url.values())
+
+
+def compute_snapshot(
+    record: ServiceRecord,
+    replicas: Iterable[ReplicaRecord],
+    generation: int,
+    now: float,
+) -> ReadySnapshot:
+    """The ready set of `record` given its replica table: pure, the only definition.
+
+    READY replicas with a URL whose version is active (`compute_active_versions`),
+    ordered by id. Two records with one URL (a replica registered twice) yield one
+    entry: the newer version, then the lower id.
+    """
+    routable = _routable(replicas)
+    active = _active(record, routable)
+    chosen = [r for r in routable if r.version in active]
+    if len({r.url for r in chosen}) != len(chosen):
+        chosen = _one_per_url(chosen)
+    chosen.sort(key=_by_id)
+    return ReadySnapshot(
+        service=record.name,
+        generation=generation,
+        published_at=now,
+        status=record.status.value,
+        policy=record.policy,
+        active_versions=list(active),
+        replicas=tuple(
+            ReadyReplica(
+                id=r.id,
+                url=r.url,
+                version=r.version,
+                accelerator=r.accelerator,
+                target_qps=r.target_qps,
+                spot=r.spot,
+            )
+            for r in chosen
+            if r.url is not None
+        ),
+    )
+
+
+_by_id = operator.attrgetter("id")
+
+
+def same_ready_set(a: ReadySnapshot, b: ReadySnapshot) -> bool:
+    """True when two snapshots route identically (generation and time aside)."""
+    return (
+        a.service == b.service
+        and a.status == b.status
+        and a.policy == b.policy
+        and a.active_versions == b.active_versions
+        and a.replicas == b.replicas
+    )

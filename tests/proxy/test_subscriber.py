@@ -1,0 +1,343 @@
+"""proxy.subscriber.RedisSource against a real redis-server and a real ReadySet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.redisserver import EmbeddedRedis
+from controlplane.store import Keys, Store
+from proxy.config import ProxyConfig
+from proxy.errors import ConfigError
+from proxy.readyset import ReadySet
+from proxy.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
+from proxy.stats import Stats
+from proxy.subscriber import RedisSource, ready_channel, rps_key, snapshot_key
+from tests.fixtures_redis import eventually
+
+
+class RecordingReadySet(ReadySet):
+    """A real ReadySet that also remembers every snapshot it applied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied: list[ReadySnapshot] = []
+
+    def apply(self, snapshot: ReadySnapshot) -> bool:
+        applied = super().apply(snapshot)
+        if applied:
+            self.applied.append(snapshot)
+        return applied
+
+    @property
+    def urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+
+class Proxy:
+    """One subscribed 'proxy': a RedisSource feeding a RecordingReadySet."""
+
+    def __init__(self, source: RedisSource, ready_set: RecordingReadySet, stats: Stats) -> None:
+        self.source = source
+        self.ready_set = ready_set
+        self.stats = stats
+
+    @property
+    def generation(self) -> int:
+        return self.ready_set.generation
+
+
+StartProxy = Callable[..., Any]
+
+
+@pytest.fixture
+async def start_proxy(redis_url: str, redis_prefix: str) -> AsyncIterator[StartProxy]:
+    """`await start_proxy(url=..., **RedisSource kwargs)`; every proxy is closed at teardown."""
+    proxies: list[Proxy] = []
+
+    async def start(*, url: str = redis_url, service: str = "svc", **kwargs: Any) -> Proxy:
+        kwargs.setdefault("backoff_initial", 0.02)
+        kwargs.setdefault("backoff_max", 0.2)
+        kwargs.setdefault("resync_interval", 60.0)  # tests of the re-GET set it lower
+        config = ProxyConfig(redis_url=url, service=service, redis_prefix=redis_prefix)
+        stats = Stats()
+        ready_set = RecordingReadySet()
+        proxy = Proxy(RedisSource(config, stats, **kwargs), ready_set, stats)
+        proxies.append(proxy)
+        await proxy.source.start(ready_set)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        await proxy.source.aclose()
+        proxy.ready_set.close()
+
+
+def replica(i: int, status: ReplicaStatus = ReplicaStatus.READY) -> ReplicaRecord:
+    return ReplicaRecord(id=i, status=status, url=f"http://127.0.0.1:{21000 + i}")
+
+
+def snapshot(generation: int, *ids: int, service: str = "svc") -> ReadySnapshot:
+    return ReadySnapshot(
+        service=service,
+        generation=generation,
+        published_at=0.0,
+        active_versions=[1],
+        replicas=tuple(ReadyReplica(id=i, url=f"http://127.0.0.1:{29000 + i}") for i in ids),
+    )
+
+
+async def register(store: Store) -> None:
+    await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY), b"{}")
+
+
+def test_key_names_match_the_store() -> None:
+    for prefix in ("sluice", "t1-abc"):
+        keys = Keys(prefix)
+        assert snapshot_key(prefix, "svc") == keys.snapshot("svc")
+        assert ready_channel(prefix, "svc") == keys.ready("svc")
+        assert rps_key(prefix, "svc") == keys.rps("svc")
+
+
+async def test_a_proxy_started_after_the_commit_gets_the_snapshot(
+    store: Store, start_proxy: StartProxy
+) -> None:
+    await register(store)
+    snap = await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    proxy = await start_proxy()  # start() waits for the first GET
+    assert proxy.generation == snap.generation
+    assert proxy.ready_set.urls == [r.url for r in snap.replicas]
+    assert proxy.source.connected and proxy.stats.source_connected == 1
+    assert sum(proxy.stats.propagation.counts) == 0  # the initial load is no propagation
+
+
+async def test_commits_arrive_by_publish(store: Store, start_proxy: StartProxy) -> None:
+    await register(store)
+    proxy = await start_proxy()
+    assert proxy.generation == 1 and proxy.ready_set.replicas == ()
+    for ids in ([1, 2], [1, 2, 3], [2, 3]):
+        snap = await store.commit(
+            "svc",
+            replica_updates=[replica(i) for i in ids],
+            replica_deletes=[i for i in (1, 2, 3) if i not in ids],
+        )
+        await eventually(lambda s=snap: proxy.generation == s.generation, what="publish")
+        assert proxy.ready_set.urls == [r.url for r in snap.replicas]
+    assert sum(proxy.stats.propagation.counts) == 3
+    assert proxy.stats.propagation.sum < 3.0
+
+
+async def test_stale_and_duplicate_generations_are_ignored(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis
+) -> None:
+    await register(store)
+    proxy = await start_proxy()
+    current = await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    await eventually(lambda: proxy.generation == current.generation)
+    channel = store.keys.ready("svc")
+    await redis_client.publish(channel, encode_snapshot(snapshot(current.generation - 1, 7)))
+    await redis_client.publish(channel, encode_snapshot(snapshot(current.generation, 8)))
+    await redis_client.publish(channel, encode_snapshot(snapshot(0)))
+    # Messages on a channel arrive in order: once the next commit is in, the three
+    # above were seen and dropped.
+    after = await store.commit("svc", replica_updates=[replica(3)])
+    await eventually(lambda: proxy.generation == after.generation)
+    assert [s.generation for s in proxy.ready_set.applied] == [
+        1,
+        current.generation,
+        after.generation,
+    ]
+    assert proxy.ready_set.urls == [r.url for r in after.replicas]
+    assert proxy.stats.snapshots_rejected == 0
+
+
+async def test_invalid_payloads_are_rejected_and_the_set_is_kept(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis
+) -> None:
+    await register(store)
+    current = await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    proxy = await start_proxy()
+    good = proxy.ready_set.urls
+    assert len(good) == 2
+    newer = current.generation + 10
+    valid = encode_snapshot(snapshot(newer, 5))
+    bad_payloads = [
+        b"garbage",
+        b"",
+        b'{"service": 5, "generation": "x"}',  # wrong types
+        b'{"service": "svc"}',  # required fields missing
+        valid[: len(valid) // 2],  # truncated
+        valid.replace(b"http://127.0.0.1", b"ftp://127.0.0.1"),  # fails validation
+        valid.replace(b"http://127.0.0.1:29005", b"http://"),  # no host: the ReadySet refuses
+        encode_snapshot(snapshot(newer, 6, service="other")),  # another service's
+    ]
+    channel = store.keys.ready("svc")
+    for payload in bad_payloads:
+        await redis_client.publish(channel, payload)
+    await redis_client.publish(channel, b"garbage")  # the same payload again: counted once
+    after = await store.commit("svc", replica_updates=[replica(3)])
+    await eventually(lambda: proxy.generation == after.generation)
+    assert proxy.stats.snapshots_rejected == len(bad_payloads)
+    assert [s.generation for s in proxy.ready_set.applied] == [current.generation, after.generation]
+    assert proxy.ready_set.urls == [*good, replica(3).url]
+
+
+async def test_a_corrupt_stored_snapshot_is_rejected_on_get(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis
+) -> None:
+    await register(store)
+    current = await store.commit("svc", replica_updates=[replica(1)])
+    proxy = await start_proxy(resync_interval=0.02)
+    await redis_client.set(store.keys.snapshot("svc"), b'{"generation": 99')
+    await eventually(lambda: proxy.stats.snapshots_rejected == 1, what="rejection")
+    await eventually(lambda: proxy.stats.snapshots_rejected == 1, within=0.2)  # re-GETs: once
+    assert proxy.generation == current.generation and len(proxy.ready_set.replicas) == 1
+
+
+async def test_a_missed_publish_is_recovered_by_the_periodic_get(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis
+) -> None:
+    await register(store)
+    proxy = await start_proxy(resync_interval=0.05)
+    # Written without a PUBLISH, as if the message had been lost.
+    await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(50, 1, 2)))
+    await eventually(lambda: proxy.generation == 50, what="re-GET")
+    assert len(proxy.ready_set.replicas) == 2
+
+
+async def test_the_set_survives_a_redis_sigkill_and_catches_up(
+    redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str, start_proxy: StartProxy
+) -> None:
+    server = redis_factory(persist=True)
+    async with Store.from_url(server.url, prefix=redis_prefix) as store:
+        await register(store)
+        before = await store.commit("svc", replica_updates=[replica(1), replica(2)])
+        # A backoff long enough that the commit below lands before the reconnection.
+        proxy = await start_proxy(url=server.url, backoff_initial=0.4, backoff_max=0.4)
+        assert proxy.generation == before.generation
+
+        server.kill()
+        await eventually(lambda: not proxy.source.connected, what="disconnect")
+        assert proxy.generation == before.generation
+        assert len(proxy.ready_set.replicas) == 2  # still serving the last snapshot
+
+        server.restart()
+        # Committed while the proxy is still disconnected (backing off): its PUBLISH
+        # goes to nobody; the proxy's GET on reconnect must find it.
+        after = await store.commit("svc", replica_updates=[replica(3)])
+        await eventually(lambda: proxy.generation == after.generation, what="catch-up")
+        assert proxy.source.connected
+        assert proxy.ready_set.urls == [r.url for r in after.replicas]
+        assert all(s.replicas for s in proxy.ready_set.applied[1:])  # never emptied
+
+
+async def test_two_proxies_converge(store: Store, start_proxy: StartProxy) -> None:
+    await register(store)
+    one, two = await start_proxy(), await start_proxy()
+    last = None
+    for i in range(60):
+        status = ReplicaStatus.READY if i % 2 else ReplicaStatus.NOT_READY
+        last = await store.commit("svc", replica_updates=[replica(1), replica(2, status)])
+    assert last is not None
+    await eventually(lambda: one.generation == two.generation == last.generation)
+    assert one.ready_set.snapshot == two.ready_set.snapshot == last
+
+
+async def test_request_counts_are_flushed_to_the_rps_hash(
+    start_proxy: StartProxy, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    proxy = await start_proxy(flush_interval=0.02)
+    key = rps_key(redis_prefix, "svc")
+    proxy.stats.requests_total += 5
+    await poll_until(lambda: _hash_total(redis_client, key), 5)
+    proxy.stats.requests_total += 3
+    await poll_until(lambda: _hash_total(redis_client, key), 8)
+    fields = await redis_client.hkeys(key)
+    assert all(abs(int(f) - time.time()) < 60 for f in fields)  # unix seconds
+    assert await redis_client.ttl(key) > 0
+
+
+async def test_a_failed_flush_keeps_the_count(
+    redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str, start_proxy: StartProxy
+) -> None:
+    server = redis_factory()
+    proxy = await start_proxy(url=server.url, flush_interval=0.02)
+    server.kill()
+    proxy.stats.requests_total += 7
+    await eventually(lambda: proxy.source._flush_failing, what="a failed flush")
+    server.restart()  # empty: no persistence
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        key = rps_key(redis_prefix, "svc")
+        await poll_until(lambda: _hash_total(client, key), 7)
+    finally:
+        await client.aclose()
+
+
+async def test_close_flushes_the_last_counts(
+    start_proxy: StartProxy, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    proxy = await start_proxy(flush_interval=60.0)
+    names = {"sluice-redis-sync", "sluice-rps-flush"}
+    assert names <= {t.get_name() for t in asyncio.all_tasks()}
+    proxy.stats.requests_total += 4
+    await proxy.source.aclose()
+    assert await _hash_total(redis_client, rps_key(redis_prefix, "svc")) == 4
+    assert not proxy.source.connected
+    assert not names & {t.get_name() for t in asyncio.all_tasks()}  # cancelled and awaited
+
+
+async def test_password_and_unix_socket_urls(
+    redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str, start_proxy: StartProxy
+) -> None:
+    for server in (
+        redis_factory(password="p@ss:w/rd"),
+        redis_factory(unix_socket=True, state_dir=None),
+    ):
+        async with Store.from_url(server.url, prefix=redis_prefix) as store:
+            await register(store)
+            snap = await store.commit("svc", replica_updates=[replica(1)])
+        proxy = await start_proxy(url=server.url)
+        assert proxy.generation == snap.generation and proxy.source.connected
+
+
+@pytest.mark.parametrize("change", ["password", "tls"])
+async def test_a_refused_connection_keeps_retrying_without_crashing(
+    redis_factory: Callable[..., EmbeddedRedis], start_proxy: StartProxy, change: str
+) -> None:
+    server = redis_factory(password="right")
+    if change == "password":
+        url = server.url.replace("right", "wrong")
+    else:  # rediss:// to a server without TLS: the handshake fails
+        url = server.url.replace("redis://", "rediss://") + "?ssl_cert_reqs=none"
+    # (a plain server never answers a TLS hello: the connect timeout ends each attempt)
+    proxy = await start_proxy(url=url, start_timeout=0.1, connect_timeout=0.1)
+    assert not proxy.source.connected and proxy.generation == -1
+    await eventually(lambda: proxy.source._failures >= 2, what="retries")
+
+
+async def test_a_bad_url_is_a_config_error(start_proxy: StartProxy) -> None:
+    with pytest.raises(ConfigError):
+        await start_proxy(url="http://127.0.0.1:1")
+
+
+async def _hash_total(client: aioredis.Redis, key: str) -> int:
+    return sum(int(v) for v in (await client.hgetall(key)).values())
+
+
+async def poll_until(
+    read: Callable[[], Awaitable[int]], expected: int, within: float = 5.0
+) -> None:
+    """Await `read()` until it returns `expected` (it must never overshoot)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while (value := await read()) != expected:
+        assert value < expected, f"counted {value} > {expected}"
+        assert loop.time() < deadline, f"still {value}, expected {expected}"
+        await asyncio.sleep(0.005)
