@@ -103,6 +103,9 @@ class ReadySet:
         self.policy: Policy = make_policy(policy_override or "least_load", target_qps)
         self.applied_at = 0.0  # wall clock of the last apply
         self._waiters: list[Callable[[], None]] = []
+        # Called (no I/O: it sets an event) when a request starts waiting for a replica;
+        # the Redis source turns it into a demand nudge for a service scaled to zero.
+        self.on_hold: Callable[[], None] | None = None
 
     @property
     def generation(self) -> int:
@@ -159,6 +162,8 @@ class ReadySet:
 
     def add_waiter(self, wake: Callable[[], None]) -> None:
         self._waiters.append(wake)
+        if self.on_hold is not None and not self.replicas:
+            self.on_hold()
 
     def remove_waiter(self, wake: Callable[[], None]) -> None:
         try:

@@ -17,10 +17,15 @@ controller committed:
 
 Every `flush_interval` seconds it also adds the requests counted since the last
 flush (`stats.requests_total`) to `{prefix}:svc:{name}:rps`, field = the unix
-second; a failed flush keeps the count for the next one. Nothing here runs on
-the request path.
+second; a failed flush keeps the count for the next one. With the same tick it
+writes this proxy's in-flight requests per replica into
+`{prefix}:svc:{name}:inflight` (field = proxy id; the concurrency autoscaler
+sums the fresh entries). When a request is held because the set is empty, it
+publishes a "demand" nudge on `{prefix}:control` at once (at most one per
+second), so a service scaled to zero starts a replica without waiting for the
+autoscaler's tick. Nothing here runs on the request path.
 
-The proxy never imports the control plane, so the three key names below are
+The proxy never imports the control plane, so the key names below are
 spelled here too; they must match `controlplane.store.Keys` (a test checks).
 """
 
@@ -30,12 +35,15 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import random
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -62,6 +70,19 @@ def ready_channel(prefix: str, service: str) -> str:
 def rps_key(prefix: str, service: str) -> str:
     """The hash of per-second request counts (= controlplane Keys.rps)."""
     return f"{prefix}:svc:{service}:rps"
+
+
+def inflight_key(prefix: str, service: str) -> str:
+    """The hash of in-flight counts per proxy (= controlplane Keys.inflight)."""
+    return f"{prefix}:svc:{service}:inflight"
+
+
+def control_channel(prefix: str) -> str:
+    """The controller's nudge channel (= controlplane Keys.control)."""
+    return f"{prefix}:control"
+
+
+_INFLIGHT = msgspec.json.Encoder()
 
 
 class RedisSource:
@@ -95,6 +116,10 @@ class RedisSource:
         self._snapshot_key = snapshot_key(config.redis_prefix, config.service)
         self._channel = ready_channel(config.redis_prefix, config.service)
         self._rps_key = rps_key(config.redis_prefix, config.service)
+        self._inflight_key = inflight_key(config.redis_prefix, config.service)
+        self._control = control_channel(config.redis_prefix)
+        self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._nudge = _INFLIGHT.encode({"service": config.service, "reason": "demand"})
         # The safety-net re-GET shares the sync interval of the other sources (5 s).
         self._resync_interval = config.sync_interval if resync_interval is None else resync_interval
         self._command_timeout = config.sync_timeout
@@ -109,6 +134,8 @@ class RedisSource:
         self._client: aioredis.Redis | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self._flush_task: asyncio.Task[None] | None = None
+        self._demand_task: asyncio.Task[None] | None = None
+        self._demand = asyncio.Event()
         self._synced = asyncio.Event()
         self._failures = 0  # consecutive failed sessions; drives the backoff
         self._flushed = 0  # stats.requests_total at the last successful flush
@@ -140,19 +167,24 @@ class RedisSource:
         self._flushed = self._stats.requests_total
         self._sync_task = asyncio.create_task(self._sync_loop(), name="sluice-redis-sync")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
+        self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
+        ready_set.on_hold = self._demand.set
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._start_timeout):
                 await self._synced.wait()
 
     async def aclose(self) -> None:
         """Stop both tasks, flush the last request counts (briefly), close the client."""
-        tasks = [t for t in (self._sync_task, self._flush_task) if t is not None]
+        if self._ready_set is not None:
+            self._ready_set.on_hold = None
+        tasks = [t for t in (self._sync_task, self._flush_task, self._demand_task)
+                 if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._sync_task = self._flush_task = None
+        self._sync_task = self._flush_task = self._demand_task = None
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
@@ -304,17 +336,42 @@ class RedisSource:
     async def _flush(self, client: aioredis.Redis) -> None:
         total = self._stats.requests_total
         delta = total - self._flushed
-        if delta <= 0:
-            self._flushed = total
-            return
-        # The second most of these requests fell in (the tick is just past its end).
-        second = int(self._clock() - min(self._flush_interval, 1.0) / 2)
+        now = self._clock()
         async with client.pipeline(transaction=False) as pipe:
-            pipe.hincrby(self._rps_key, str(second), delta)
-            # Without a controller to trim it the hash would grow forever.
-            pipe.expire(self._rps_key, self._rps_ttl)
+            if delta > 0:
+                # The second most of these requests fell in (the tick is just past its end).
+                second = int(now - min(self._flush_interval, 1.0) / 2)
+                pipe.hincrby(self._rps_key, str(second), delta)
+                # Without a controller to trim it the hash would grow forever.
+                pipe.expire(self._rps_key, self._rps_ttl)
+            pipe.hset(self._inflight_key, self._proxy_id, self._inflight_payload(now))
+            pipe.expire(self._inflight_key, self._rps_ttl)
             await pipe.execute()
         self._flushed = total
+
+    def _inflight_payload(self, now: float) -> bytes:
+        assert self._ready_set is not None
+        per_replica = {r.url: r.inflight for r in self._ready_set.known.values() if r.inflight}
+        return _INFLIGHT.encode(
+            {"at": now, "total": sum(per_replica.values()), "replicas": per_replica})
+
+    # -- demand -------------------------------------------------------------------------------
+
+    async def _demand_loop(self) -> None:
+        """Publish a demand nudge when a request is held with no replica (max 1/s)."""
+        while True:
+            await self._demand.wait()
+            self._demand.clear()
+            client = self._client
+            if client is not None:
+                try:
+                    await client.publish(self._control, self._nudge)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the loop's one broad except
+                    log.warning("service %s: demand nudge failed: %s", self._service,
+                                _describe(exc))
+            await asyncio.sleep(1.0)
 
 
 def _describe(exc: BaseException) -> str:

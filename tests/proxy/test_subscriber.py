@@ -18,7 +18,14 @@ from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
 from proxy.stats import Stats
-from proxy.subscriber import RedisSource, ready_channel, rps_key, snapshot_key
+from proxy.subscriber import (
+    RedisSource,
+    control_channel,
+    inflight_key,
+    ready_channel,
+    rps_key,
+    snapshot_key,
+)
 from tests.fixtures_redis import eventually
 
 
@@ -103,6 +110,8 @@ def test_key_names_match_the_store() -> None:
         assert snapshot_key(prefix, "svc") == keys.snapshot("svc")
         assert ready_channel(prefix, "svc") == keys.ready("svc")
         assert rps_key(prefix, "svc") == keys.rps("svc")
+        assert inflight_key(prefix, "svc") == keys.inflight("svc")
+        assert control_channel(prefix) == keys.control
 
 
 async def test_a_proxy_started_after_the_commit_gets_the_snapshot(
@@ -341,3 +350,46 @@ async def poll_until(
         assert value < expected, f"counted {value} > {expected}"
         assert loop.time() < deadline, f"still {value}, expected {expected}"
         await asyncio.sleep(0.005)
+
+
+async def test_inflight_counts_are_published_per_proxy(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    import json
+
+    await register(store)
+    await store.commit("svc", replica_updates=[
+        ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:9")])
+    proxy = await start_proxy(flush_interval=0.02)
+    await eventually(lambda: proxy.ready_set.replicas, what="the replica")
+    proxy.ready_set.replicas[0].inflight = 7  # as if 7 requests were in flight
+    key = inflight_key(redis_prefix, "svc")
+
+    async def total() -> int:
+        values = await redis_client.hvals(key)
+        return sum(json.loads(v)["total"] for v in values)
+
+    await poll_until(total, 7)
+    entry = json.loads((await redis_client.hvals(key))[0])
+    assert entry["replicas"] == {"http://127.0.0.1:9": 7}
+    assert abs(entry["at"] - time.time()) < 60
+    proxy.ready_set.replicas[0].inflight = 0
+
+
+async def test_a_held_request_publishes_one_demand_nudge(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    await register(store)  # no replica: the set is empty
+    proxy = await start_proxy()
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe(control_channel(redis_prefix))
+    try:
+        await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
+        for _ in range(3):  # three requests held in a burst: one nudge
+            proxy.ready_set.add_waiter(lambda: None)
+        msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5.0)
+        assert msg is not None and b'"reason":"demand"' in msg["data"]
+        assert b'"service":"svc"' in msg["data"]
+        assert await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3) is None
+    finally:
+        await pubsub.aclose()
