@@ -1,0 +1,71 @@
+"""The one interface every way of running replicas implements: `ReplicaBackend`.
+
+A backend launches a replica of one version of a service and returns where it
+serves plus a `Handle` (plain JSON data: pid, port, log path, cluster name ...)
+that the controller stores in the replica's record. Everything else the
+controller asks goes through that handle, so a controller that takes over
+from a dead one carries on with the replicas it finds in Redis (adoption).
+
+Backends never touch Redis and never decide anything: the controller does.
+
+    BackendError
+    └── LaunchFailed    the replica could not be started (setup failed, no port ...)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from controlplane.models import Handle
+from controlplane.spec import ServiceSpec
+from proxy.errors import SluiceError
+
+
+class BackendError(SluiceError):
+    """A backend operation failed."""
+
+
+class LaunchFailed(BackendError):
+    """A replica could not be launched; the message is the reason shown by `status`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """A replica the backend started: where it serves, and how to find it again."""
+
+    url: str
+    handle: Handle
+
+
+class ReplicaBackend(Protocol):
+    """Runs replicas. `name` is what replica records store in their `backend` field."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Acquire resources (called once, before any other method)."""
+
+    async def aclose(self) -> None:
+        """Release resources. Never stops replicas: a successor controller adopts them."""
+
+    @property
+    def can_launch(self) -> bool:
+        """False for backends whose replicas are registered from outside."""
+
+    async def launch(
+        self, service: str, replica_id: int, version: int, spec: ServiceSpec
+    ) -> Launched:
+        """Start one replica of `spec` (version `version`); raise LaunchFailed."""
+
+    def recover(self, service: str, replica_id: int) -> Launched | None:
+        """A replica launched by a controller that died before recording it, if any."""
+
+    def exited(self, handle: Handle) -> str | None:
+        """Why the replica's process is gone ("exited with code 1"), or None while it runs.
+
+        Cheap and non-blocking: the controller calls it for every replica on every step.
+        """
+
+    async def terminate(self, handle: Handle) -> None:
+        """Stop the replica (gracefully first) and release what it held. Idempotent."""

@@ -1,0 +1,321 @@
+"""The local backend: each replica is a process group on this machine.
+
+Per version, the task's `setup` runs once (`bash -c`, in `workdir`, logged to
+`{state_dir}/{service}/setup-v{version}.log`; a marker file keyed by the spec's
+task fields keeps it from running twice, across controller restarts too). Per
+replica, the task's `run` command runs as `bash -c` in its own session and
+process group, in `workdir`, with the spec's `envs` and `secrets` plus `PORT`
+(a free 127.0.0.1 port), `SLUICE_REPLICA_ID` and `SKYPILOT_SERVE_REPLICA_ID`;
+stdout and stderr go to `{state_dir}/{service}/replica-{id}.log`.
+
+The handle records pid (= process group id), the process's start time (so a
+recycled pid is never mistaken for the replica), port and log path; it is also
+written to `replica-{id}.json` right after the spawn, so a controller that dies
+between spawning and recording the replica leaves it recoverable. Processes are
+spawned with posix_spawn and reaped by pid: a replica outlives the controller
+that started it, and the next controller adopts it by pid.
+
+Terminate: SIGTERM to the group; SIGKILL to the group after `term_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from controlplane.backends.base import Launched, LaunchFailed
+from controlplane.models import Handle
+from controlplane.spec import ServiceSpec
+
+log = logging.getLogger("sluice.backend.local")
+
+HOST = "127.0.0.1"
+_POLL = 0.05  # how often terminate() looks whether the process group is gone
+# Runs the task in its workdir; `exec` keeps the pid, so pid == process group id.
+_LAUNCHER = 'cd -- "$0" || exit 97; exec bash -c "$1"'
+_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+
+class LocalBackend:
+    """Replicas as local process groups; see the module docstring."""
+
+    name = "local"
+    can_launch = True
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        base_env: Mapping[str, str] | None = None,
+        base_dir: Path | None = None,
+        term_timeout: float = 10.0,
+    ) -> None:
+        """`base_env`: the environment replicas inherit (default: this process's, read
+        now); `base_dir`: what a relative `workdir` is relative to (default: the cwd)."""
+        self._state_dir = state_dir
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._base_dir = base_dir if base_dir is not None else Path.cwd()
+        self._term_timeout = term_timeout
+        self._children: set[int] = set()  # pids we spawned and have not reaped
+        self._exit_codes: dict[int, int] = {}  # reaped pid -> exit status
+        self._setups: dict[str, asyncio.Task[None]] = {}
+        self._bash = shutil.which("bash", path=self._base_env.get("PATH")) or "/bin/bash"
+
+    async def start(self) -> None:
+        """Nothing to acquire: directories are made per service on launch."""
+
+    async def aclose(self) -> None:
+        """Cancel running setups (their process groups are killed). Replicas keep running."""
+        tasks = list(self._setups.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for task in tasks:  # retrieved: a failed setup was reported to its launches
+            if not task.cancelled():
+                task.exception()
+        self._setups.clear()
+
+    # -- launch ------------------------------------------------------------------------------
+
+    async def launch(
+        self, service: str, replica_id: int, version: int, spec: ServiceSpec
+    ) -> Launched:
+        """Run setup (once per version), then spawn `run`. Raises LaunchFailed."""
+        if not spec.run:
+            raise LaunchFailed("the spec has no `run` command")
+        directory = self._service_dir(service)
+        workdir = self._workdir(spec)
+        env = self._env(spec)
+        if spec.setup:
+            await self._setup(service, version, spec, workdir, env)
+        port = _free_port()
+        log_path = directory / f"replica-{replica_id}.log"
+        env.update(
+            PORT=str(port),
+            SLUICE_REPLICA_ID=str(replica_id),
+            SKYPILOT_SERVE_REPLICA_ID=str(replica_id),
+        )
+        pid = self._spawn([self._bash, "-c", _LAUNCHER, str(workdir), spec.run], env, log_path)
+        handle: Handle = {
+            "pid": pid,
+            "start_time": _start_time(pid),
+            "port": port,
+            "log": str(log_path),
+        }
+        # Written before the controller records the replica: if it dies in between,
+        # its successor finds the process here (`recover`).
+        self._handle_path(service, replica_id).write_text(json.dumps(handle))
+        log.info("service %s: replica %d (v%d) pid %d on port %d", service, replica_id,
+                 version, pid, port)  # fmt: skip
+        return Launched(url=f"http://{HOST}:{port}", handle=handle)
+
+    def recover(self, service: str, replica_id: int) -> Launched | None:
+        """The replica from its handle file, if its process still runs."""
+        try:
+            handle: Handle = json.loads(self._handle_path(service, replica_id).read_text())
+        except (OSError, ValueError):
+            return None
+        if self.exited(handle) is not None:
+            return None
+        return Launched(url=f"http://{HOST}:{handle['port']}", handle=handle)
+
+    # -- liveness and termination ------------------------------------------------------------
+
+    def exited(self, handle: Handle) -> str | None:
+        """None while the replica's process runs; otherwise how it ended."""
+        pid = _pid(handle)
+        if pid is None:
+            return "no process recorded"
+        self._reap(pid)
+        if pid in self._exit_codes:
+            return _describe_status(self._exit_codes[pid])
+        if not _running(pid, handle.get("start_time")):
+            return f"process {pid} is gone"
+        return None
+
+    async def terminate(self, handle: Handle) -> None:
+        """SIGTERM the process group, SIGKILL it after `term_timeout`; remove the handle file."""
+        pid = _pid(handle)
+        if pid is not None and self.exited(handle) is None:
+            _signal_group(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self._term_timeout
+            while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
+        if pid is not None:
+            # Stragglers the leader left behind, or a leader that ignored SIGTERM.
+            _signal_group(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
+        if pid is not None:
+            self._exit_codes.pop(pid, None)  # gone for good: `exited` still says so (/proc)
+        log_path = handle.get("log")
+        if isinstance(log_path, str):
+            with contextlib.suppress(OSError):
+                Path(log_path).with_suffix(".json").unlink()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _service_dir(self, service: str) -> Path:
+        directory = self._state_dir / service
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def _handle_path(self, service: str, replica_id: int) -> Path:
+        return self._state_dir / service / f"replica-{replica_id}.json"
+
+    def _workdir(self, spec: ServiceSpec) -> Path:
+        workdir = self._base_dir / spec.workdir if spec.workdir else self._base_dir
+        if not workdir.is_dir():
+            raise LaunchFailed(f"workdir {str(workdir)!r} is not a directory")
+        return workdir
+
+    def _env(self, spec: ServiceSpec) -> dict[str, str]:
+        return {**self._base_env, **spec.envs, **spec.secrets}
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_path: Path) -> int:
+        try:
+            pid = os.posix_spawn(
+                argv[0],
+                argv,
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_OPEN, 1, str(log_path), _APPEND, 0o644),
+                    (os.POSIX_SPAWN_DUP2, 1, 2),
+                ],
+                setsid=True,  # own session and process group: pgid == pid
+            )
+        except OSError as exc:
+            raise LaunchFailed(f"could not start {argv[0]}: {exc}") from exc
+        self._children.add(pid)
+        return pid
+
+    def _reap(self, pid: int) -> None:
+        if pid not in self._children:
+            return
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            self._children.discard(pid)
+            return
+        if done:
+            self._children.discard(pid)
+            self._exit_codes[pid] = status
+
+    async def _setup(
+        self, service: str, version: int, spec: ServiceSpec, workdir: Path, env: dict[str, str]
+    ) -> None:
+        key = _task_digest(spec, workdir)
+        marker = self._service_dir(service) / f"setup-v{version}-{key}.done"
+        if marker.exists():
+            return
+        task = self._setups.get(marker.name)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = asyncio.create_task(self._run_setup(service, version, spec, workdir, env))
+            self._setups[marker.name] = task
+        await asyncio.shield(task)
+        marker.touch()
+
+    async def _run_setup(
+        self, service: str, version: int, spec: ServiceSpec, workdir: Path, env: dict[str, str]
+    ) -> None:
+        log_path = self._service_dir(service) / f"setup-v{version}.log"
+        assert spec.setup is not None
+        with log_path.open("ab") as out:
+            proc = await asyncio.create_subprocess_exec(
+                self._bash, "-c", spec.setup, cwd=workdir, env=env,
+                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            code = await proc.wait()
+        except asyncio.CancelledError:
+            _signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
+        if code != 0:
+            raise LaunchFailed(f"setup of version {version} exited with code {code} "
+                               f"(see {log_path})")  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _pid(handle: Handle) -> int | None:
+    pid = handle.get("pid")
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/{pid}/stat after the command name (state is [0])."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _start_time(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
+def _running(pid: int, start_time: object) -> bool:
+    """True if `pid` is a live (not zombie) process started at `start_time`."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        if not os.path.isdir("/proc/self"):  # no procfs: fall back to a signal probe
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+            return True
+        return False
+    if fields[0] in ("Z", "X"):
+        return False
+    if isinstance(start_time, int) and len(fields) > 19 and int(fields[19]) != start_time:
+        return False  # the pid was recycled
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"killed by {name}"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"
+
+
+def _task_digest(spec: ServiceSpec, workdir: Path) -> str:
+    """Identifies what setup depends on, so a changed task runs its own setup."""
+    material = json.dumps(
+        [spec.setup, str(workdir), sorted(spec.envs.items()), sorted(spec.secrets.items())]
+    )
+    return hashlib.sha256(material.encode()).hexdigest()[:12]

@@ -1,0 +1,376 @@
+"""What the ops commands do: `up`, `update`, `down`, `replica add|remove`, `status`.
+
+They talk to Redis only (through `Store`) and nudge the controller, which does
+the work: launching, probing, draining, terminating. Every write is a
+read-modify-write `Store.commit_with`, so an ops command racing the controller
+never overwrites what the controller just wrote, and vice versa.
+
+Errors (besides the store's ServiceNotFound / ServiceExists / StoreUnavailable):
+
+    OpsError
+    ├── ServiceShuttingDown   the service is being taken down; it takes no changes
+    ├── ReplicaExists         `add_replica` of a URL the service already routes to
+    └── ReplicaNotFound       `remove_replica` of a URL it has no external replica for
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from controlplane.models import (
+    FAILED_REPLICA_STATUSES,
+    ReplicaRecord,
+    ReplicaStatus,
+    ServiceRecord,
+    ServiceStatus,
+    UpdateMode,
+)
+from controlplane.spec import ServiceSpec
+from controlplane.store import Mutation, ServiceNotFound, Store
+from proxy.errors import SluiceError
+
+#: Event kinds the controller and the ops commands append to a service's stream.
+EVENT_FAILURE = "failure"
+
+
+class OpsError(SluiceError):
+    """An ops command refused: the message says why."""
+
+
+class ServiceShuttingDown(OpsError):
+    """The service is shutting down; it takes no updates or replicas."""
+
+
+class ReplicaExists(OpsError):
+    """The service already has a live replica at that URL."""
+
+
+class ReplicaNotFound(OpsError):
+    """The service has no external replica at that URL."""
+
+
+class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica as `sluice status` shows it."""
+
+    id: int
+    version: int
+    url: str | None
+    status: str
+    backend: str
+    launched_at: float | None
+    first_ready_at: float | None
+    accelerator: str | None = None
+    spot: bool = False
+
+
+class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
+    """One service as `sluice status` shows it (Sky Serve's columns and a bit more).
+
+    `ready` counts READY replicas; `total` counts replicas that are neither
+    failed nor shutting down. `uptime` is seconds since the service was created.
+    `last_failure` is the reason of the latest failure event; `launch_blocked`
+    says why the controller stopped launching replicas of the latest version
+    (None when it has not).
+    """
+
+    name: str
+    status: str
+    version: int
+    active_versions: list[int]
+    update_mode: str
+    policy: str
+    endpoint: str | None
+    created_at: float
+    uptime: float
+    ready: int
+    total: int
+    generation: int
+    replicas: list[ReplicaView]
+    last_failure: str | None = None
+    launch_blocked: str | None = None
+
+
+async def up(
+    store: Store, name: str, spec: ServiceSpec, *, endpoint: str | None = None
+) -> ServiceRecord:
+    """Register service `name` at version 1 with `spec` and nudge the controller.
+
+    `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
+    Returns the stored record. Raises ServiceExists if the name is taken,
+    ValueError for an invalid name.
+    """
+    record = ServiceRecord(
+        name=name,
+        status=ServiceStatus.CONTROLLER_INIT,
+        version=1,
+        update_mode=UpdateMode.ROLLING,
+        policy=spec.service.load_balancing_policy,
+        endpoint=endpoint,
+        min_replicas={1: spec.min_replicas},
+    )
+    await store.register_service(record, spec.to_json())
+    await store.append_event(name, "up", {"version": 1})
+    await store.nudge(name)
+    stored = await store.service(name)
+    if stored is None:  # taken down between the two calls
+        raise ServiceNotFound(f"no service {name!r}")
+    return stored
+
+
+async def update(
+    store: Store, name: str, spec: ServiceSpec, *, mode: UpdateMode | None = None
+) -> int:
+    """Make `spec` the latest version of service `name`; returns the new version.
+
+    The spec and the version bump are written in one transaction; the
+    controller then relabels (count-only change) or rolls out new replicas
+    (`mode`: rolling or blue_green; default: the service's current mode).
+    Raises ServiceNotFound, ServiceShuttingDown.
+    """
+    payload = spec.to_json()
+    new_version = 0
+
+    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> Mutation:
+        nonlocal new_version
+        if current.status is ServiceStatus.SHUTTING_DOWN:
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        new_version = current.version + 1
+        record = msgspec.structs.replace(
+            current,
+            version=new_version,
+            update_mode=mode if mode is not None else current.update_mode,
+            policy=spec.service.load_balancing_policy,
+            min_replicas={**current.min_replicas, new_version: spec.min_replicas},
+        )
+        return Mutation(service_record=record, specs={new_version: payload})
+
+    await store.commit_with(name, plan)
+    fields: dict[str, str | int | float] = {"version": new_version}
+    if mode is not None:
+        fields["mode"] = mode.value
+    await store.append_event(name, "update", fields)
+    await store.nudge(name)
+    return new_version
+
+
+async def down(store: Store, name: str) -> None:
+    """Mark service `name` SHUTTING_DOWN and nudge the controller, which drains and
+    terminates every replica, then unregisters the service. Returns at once (use
+    `wait_for` or poll `store.services()` to see it gone). Raises ServiceNotFound.
+    """
+
+    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> Mutation:
+        if current.status is ServiceStatus.SHUTTING_DOWN:
+            return Mutation()
+        return Mutation(
+            service_record=msgspec.structs.replace(current, status=ServiceStatus.SHUTTING_DOWN)
+        )
+
+    await store.commit_with(name, plan)
+    await store.append_event(name, "down")
+    await store.nudge(name)
+
+
+async def add_replica(
+    store: Store,
+    name: str,
+    url: str,
+    *,
+    accelerator: str | None = None,
+    spot: bool = False,
+) -> int:
+    """Register an external replica at `url` (http(s)://host:port) with service `name`.
+
+    The controller probes it and routes to it once READY; it never launches or
+    kills it. External replicas are routed in addition to the replicas the
+    controller launches, and are relabelled to the latest version on every
+    update. Returns the new replica id. Raises ServiceNotFound,
+    ServiceShuttingDown, ReplicaExists, ValueError for an invalid URL.
+    """
+    url = url.rstrip("/")
+    spec_raw = await store.spec(name, (await _record(store, name)).version)
+    target_qps = None
+    if spec_raw is not None:
+        spec = ServiceSpec.from_json(spec_raw)
+        target_qps = spec.service.scaling.target_qps_for(accelerator)
+    replica_id = 0
+
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+        nonlocal replica_id
+        if current.status is ServiceStatus.SHUTTING_DOWN:
+            raise ServiceShuttingDown(f"service {name!r} is shutting down")
+        for replica in replicas.values():
+            if replica.url == url and replica.status not in _GONE:
+                raise ReplicaExists(f"service {name!r} already has replica {replica.id} at {url}")
+        replica_id = max(current.next_replica_id, max(replicas, default=0) + 1)
+        # No timestamps: the controller stamps launched_at and status_since with its own
+        # clock (the initial delay and the drain are timed there, not on this machine).
+        replica = ReplicaRecord(
+            id=replica_id,
+            status=ReplicaStatus.STARTING,
+            version=current.version,
+            url=url,
+            backend="external",
+            spot=spot,
+            accelerator=accelerator,
+            target_qps=target_qps,
+        )
+        record = msgspec.structs.replace(current, next_replica_id=replica_id + 1)
+        return Mutation(replica_updates=(replica,), service_record=record)
+
+    await store.commit_with(name, plan)
+    added: dict[str, str | int | float] = {"replica": replica_id, "url": url}
+    await store.append_event(name, "launch", {**added, "backend": "external"})
+    await store.nudge(name)
+    return replica_id
+
+
+async def remove_replica(store: Store, name: str, url: str) -> None:
+    """Take the external replica at `url` out of service `name`.
+
+    It leaves the ready set at once (SHUTTING_DOWN); the controller forgets it
+    after the drain delay (timed from when it sees the change). It is never
+    killed. Raises ServiceNotFound, ReplicaNotFound.
+    """
+    url = url.rstrip("/")
+    removed = 0
+
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+        nonlocal removed
+        for replica in replicas.values():
+            if replica.url == url and replica.backend == "external":
+                if replica.status is ReplicaStatus.SHUTTING_DOWN:
+                    removed = replica.id
+                    return Mutation()
+                removed = replica.id
+                drained = msgspec.structs.replace(
+                    replica, status=ReplicaStatus.SHUTTING_DOWN, status_since=None
+                )
+                return Mutation(replica_updates=(drained,))
+        raise ReplicaNotFound(f"service {name!r} has no external replica at {url}")
+
+    await store.commit_with(name, plan)
+    drained: dict[str, str | int | float] = {"replica": removed, "url": url}
+    await store.append_event(name, "drain", {**drained, "reason": "removed"})
+    await store.nudge(name)
+
+
+async def status(store: Store, name: str | None = None) -> list[ServiceView]:
+    """Views of service `name`, or of every service (sorted by name) when None.
+
+    Raises ServiceNotFound when `name` is given and not registered.
+    """
+    names = [name] if name is not None else await store.services()
+    views = []
+    for service in names:
+        view = await _view(store, service)
+        if view is None:
+            if name is not None:
+                raise ServiceNotFound(f"no service {name!r}")
+            continue  # removed since the listing
+        views.append(view)
+    return views
+
+
+async def wait_for(
+    store: Store,
+    name: str,
+    predicate: Callable[[ServiceView], bool],
+    timeout: float,  # noqa: ASYNC109 (the CLI passes a number)
+    *,
+    interval: float = 0.05,
+) -> ServiceView:
+    """Poll `status(name)` until `predicate(view)` holds; return that view.
+
+    While the service is not registered the predicate is not called. Raises
+    TimeoutError (with the last view in the message) after `timeout` seconds.
+    """
+    last: ServiceView | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                last = await _view(store, name)
+                if last is not None and predicate(last):
+                    return last
+                await asyncio.sleep(interval)
+    except TimeoutError:
+        raise TimeoutError(
+            f"service {name!r}: condition not met in {timeout}s; last: {last}"
+        ) from None
+
+
+# -- internals -------------------------------------------------------------------------------
+
+_GONE = FAILED_REPLICA_STATUSES | {ReplicaStatus.SHUTTING_DOWN, ReplicaStatus.PREEMPTED}
+
+
+async def _record(store: Store, name: str) -> ServiceRecord:
+    record = await store.service(name)
+    if record is None:
+        raise ServiceNotFound(f"no service {name!r}")
+    return record
+
+
+async def _view(store: Store, name: str) -> ServiceView | None:
+    state = await store.read_state(name)
+    if state is None:
+        return None
+    record = state.record
+    replicas = list(state.replicas.values())
+    last_failure = None
+    for event in reversed(await store.events(name, count=200)):
+        if event.kind == EVENT_FAILURE:
+            last_failure = event.fields.get("reason", "failed")
+            break
+    blocked = next(
+        (
+            r
+            for r in replicas
+            if r.version == record.version
+            and r.status in FAILED_REPLICA_STATUSES
+            and r.first_ready_at is None
+        ),
+        None,
+    )
+    launch_blocked = None
+    if blocked is not None:
+        launch_blocked = (
+            f"version {record.version} stopped launching: replica {blocked.id} "
+            f"{blocked.status.value} before it was ever ready"
+        )
+        if last_failure:
+            launch_blocked += f" ({last_failure})"
+    return ServiceView(
+        name=record.name,
+        status=record.status.value,
+        version=record.version,
+        active_versions=list(record.active_versions),
+        update_mode=record.update_mode.value,
+        policy=record.policy,
+        endpoint=record.endpoint,
+        created_at=record.created_at,
+        uptime=max(0.0, time.time() - record.created_at),
+        ready=sum(1 for r in replicas if r.status is ReplicaStatus.READY),
+        total=sum(1 for r in replicas if r.status not in _GONE),
+        generation=state.generation,
+        replicas=[
+            ReplicaView(
+                id=r.id,
+                version=r.version,
+                url=r.url,
+                status=r.status.value,
+                backend=r.backend,
+                launched_at=r.launched_at,
+                first_ready_at=r.first_ready_at,
+                accelerator=r.accelerator,
+                spot=r.spot,
+            )
+            for r in replicas
+        ],
+        last_failure=last_failure,
+        launch_blocked=launch_blocked,
+    )

@@ -1,0 +1,164 @@
+"""The rollout rules: how many replicas to launch, which to retire, the service status.
+
+Pure functions of the service record, the latest spec and the replica table;
+the controller applies what they decide. Sky Serve's semantics:
+
+- target: `replicas: N`, or `replica_policy.min_replicas` (`target_replicas`
+  is the seam the autoscaler plugs into);
+- launch latest-version replicas up to the target, unless the latest version
+  is given up: one of its replicas failed before it was ever READY (its
+  process exited, its launch failed, or the initial delay ran out);
+- old-version replicas leave as the new version takes over. rolling: one per
+  READY new replica (the old ones kept = target - new READY ones);
+  blue_green: all together, once the new version has its min_replicas READY;
+- surplus replicas of the latest version leave in scale-down order: earliest
+  state first (PENDING, PROVISIONING, STARTING, NOT_READY, READY), older
+  version first, larger id first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from controlplane.models import (
+    ReplicaRecord,
+    ReplicaStatus,
+    ServiceRecord,
+    ServiceStatus,
+    UpdateMode,
+    compute_active_versions,
+)
+from controlplane.spec import ServiceSpec
+
+#: Replicas that count towards the target: launched or launching, not leaving.
+LIVE = frozenset(
+    {
+        ReplicaStatus.PENDING,
+        ReplicaStatus.PROVISIONING,
+        ReplicaStatus.STARTING,
+        ReplicaStatus.READY,
+        ReplicaStatus.NOT_READY,
+    }
+)
+#: Failures that give a version up when they hit a replica that was never READY.
+UNRECOVERABLE = frozenset(
+    {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
+)
+_STARTING_UP = frozenset(
+    {
+        ReplicaStatus.PENDING,
+        ReplicaStatus.PROVISIONING,
+        ReplicaStatus.STARTING,
+        ReplicaStatus.NOT_READY,
+    }
+)
+_SCALE_DOWN_RANK = {
+    ReplicaStatus.PENDING: 0,
+    ReplicaStatus.PROVISIONING: 1,
+    ReplicaStatus.STARTING: 2,
+    ReplicaStatus.NOT_READY: 3,
+    ReplicaStatus.READY: 4,
+}
+
+
+def target_replicas(
+    record: ServiceRecord,
+    spec: ServiceSpec,
+    replicas: Mapping[int, ReplicaRecord],
+    now: float,
+) -> int:
+    """How many replicas of the latest version the service should run.
+
+    `replicas: N` or `replica_policy.min_replicas` for now; the autoscaler plugs
+    in here (`Controller(target=...)`).
+    """
+    return spec.min_replicas
+
+
+def gives_up_version(replica: ReplicaRecord, version: int) -> bool:
+    """True if `replica` failed for good before ever being READY, in `version`."""
+    return (
+        replica.version == version
+        and replica.status in UNRECOVERABLE
+        and replica.first_ready_at is None
+    )
+
+
+def given_up_by(replicas: Iterable[ReplicaRecord], version: int) -> ReplicaRecord | None:
+    """The replica whose failure stops launches of `version`, if any."""
+    return next((r for r in replicas if gives_up_version(r, version)), None)
+
+
+def scale_down_order(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
+    """Earliest state first, then older version, then larger id."""
+    return sorted(replicas, key=lambda r: (_SCALE_DOWN_RANK.get(r.status, 0), r.version, -r.id))
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """What one step does to the managed replicas of a service."""
+
+    launch: int  # new replicas of the latest version
+    retire: tuple[tuple[ReplicaRecord, str], ...]  # (replica, reason: update | scale_down)
+
+
+def plan_rollout(
+    record: ServiceRecord,
+    managed: Iterable[ReplicaRecord],
+    target: int,
+    *,
+    can_launch: bool,
+) -> Rollout:
+    """Launches and retirements for `managed` (the LIVE replicas the controller runs).
+
+    `can_launch`: the latest version has a command to run and is not given up.
+    """
+    version = record.version
+    live = [r for r in managed if r.status in LIVE]
+    new = [r for r in live if r.version == version]
+    old = [r for r in live if r.version < version]
+    launch = max(0, target - len(new)) if can_launch else 0
+    ready_new = sum(1 for r in new if r.status is ReplicaStatus.READY)
+    match record.update_mode:
+        case UpdateMode.BLUE_GREEN:
+            switched = ready_new >= max(1, record.min_replicas.get(version, 1))
+            keep_old = 0 if switched else len(old)
+        case UpdateMode.ROLLING:
+            keep_old = max(0, target - ready_new)
+    retire = [(r, "update") for r in scale_down_order(old)[: max(0, len(old) - keep_old)]]
+    retire += [(r, "scale_down") for r in scale_down_order(new)[: max(0, len(new) - target)]]
+    return Rollout(launch=launch, retire=tuple(retire))
+
+
+def service_status(
+    record: ServiceRecord, replicas: Iterable[ReplicaRecord], *, launching: bool
+) -> ServiceStatus:
+    """READY with someone to route to; REPLICA_INIT while replicas start (or are about
+    to: `launching`); FAILED when the latest version is given up and nothing serves;
+    NO_REPLICA otherwise. A SHUTTING_DOWN service stays so."""
+    if record.status is ServiceStatus.SHUTTING_DOWN:
+        return record.status
+    table = list(replicas)
+    if compute_active_versions(record, table):
+        return ServiceStatus.READY
+    if launching or any(r.status in _STARTING_UP for r in table):
+        return ServiceStatus.REPLICA_INIT
+    if given_up_by(table, record.version) is not None:
+        return ServiceStatus.FAILED
+    return ServiceStatus.NO_REPLICA
+
+
+def accelerator_of(spec: ServiceSpec) -> str | None:
+    """The replica accelerator a spec asks for, as "A100:1" (first choice of several)."""
+    match spec.resources.accelerators:
+        case None:
+            return None
+        case str() as name:
+            return name
+        case dict() as table:
+            for name, count in table.items():
+                return f"{name}:{count:g}"
+        case list() as names:
+            return names[0] if names else None
+    return None

@@ -1,0 +1,703 @@
+"""The controller with real local replicas, a real redis-server and, where traffic
+matters, a real sluice-proxy following the service through Redis.
+
+Controllers here reconcile on their own only every 30 s: everything they do in
+these tests happens because a nudge, a probe result, a finished launch or
+termination, or a drain deadline woke them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from controlplane import ops
+from controlplane.backends.local import LocalBackend
+from controlplane.controller import Controller, ControllerConfig, run_controller
+from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceStatus, UpdateMode
+from controlplane.prober import Prober, ProbeResult, apply_exit, apply_probe
+from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
+from controlplane.store import ServiceExists, ServiceNotFound, Store
+from proxy.snapshot import ReadySnapshot, decode_snapshot
+from tests.controlplane.traffic import Traffic
+from tests.fixtures_redis import eventually
+from tests.fixtures_replicas import ProxyFactory, ReplicaFactory, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
+PROBE: dict[str, Any] = {
+    "path": "/health",
+    "endpoint_probe_interval_seconds": 0.2,
+    "timeout_seconds": 2,
+    "initial_delay_seconds": 20,
+    "consecutive_failure_threshold_timeout": 2,
+}
+
+StartController = Callable[..., Awaitable[Controller]]
+
+
+def make_spec(
+    replicas: int = 2,
+    *,
+    run: str | None = RUN,
+    env: str = "a",
+    probe: dict[str, Any] | None = None,
+    setup: str | None = None,
+) -> ServiceSpec:
+    doc: dict[str, Any] = {
+        "service": {"readiness_probe": {**PROBE, **(probe or {})}, "replicas": replicas},
+        "workdir": str(REPO),
+        "envs": {"VARIANT": env},
+    }
+    if run is not None:
+        doc["run"] = run
+    if setup is not None:
+        doc["setup"] = setup
+    return parse_spec(doc)
+
+
+@pytest.fixture
+def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
+    return ControllerConfig(
+        redis_url=redis_url,
+        prefix=redis_prefix,
+        state_dir=tmp_path / "state",
+        drain_seconds=1.0,
+        lease_ttl=1.0,
+        reconcile_interval=30.0,
+        term_timeout=3.0,
+        terminate_on_close=True,  # teardown stops every replica the test launched
+    )
+
+
+@pytest.fixture
+async def start_controller(
+    store: Store, config: ControllerConfig
+) -> AsyncIterator[StartController]:
+    running: list[tuple[Controller, asyncio.Task[None]]] = []
+
+    async def start(**overrides: Any) -> Controller:
+        controller = Controller(store, dataclasses.replace(config, **overrides))
+        await controller.start()
+        running.append((controller, asyncio.create_task(controller.run())))
+        return controller
+
+    yield start
+    for controller, task in reversed(running):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await controller.aclose()
+
+
+class SnapshotWatcher:
+    """Every snapshot published on a service's ready channel, in order."""
+
+    def __init__(self, client: aioredis.Redis, store: Store, name: str) -> None:
+        self.snapshots: list[ReadySnapshot] = []
+        self._pubsub = client.pubsub()
+        self._channel = store.keys.ready(name)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> SnapshotWatcher:
+        await self._pubsub.subscribe(self._channel)
+        self._task = asyncio.create_task(self._collect())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _collect(self) -> None:
+        while True:
+            message = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+            if message is not None and message["type"] == "message":
+                self.snapshots.append(decode_snapshot(message["data"]))
+
+    def after_first_ready(self) -> list[ReadySnapshot]:
+        for i, snapshot in enumerate(self.snapshots):
+            if snapshot.replicas:
+                return self.snapshots[i:]
+        return []
+
+
+def pid_of(replica: ReplicaRecord) -> int:
+    pid = replica.handle["pid"]
+    assert isinstance(pid, int)
+    return pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+async def ready_view(
+    store: Store, name: str, n: int, version: int | None = None
+) -> ops.ServiceView:
+    """Wait until exactly `n` replicas exist, all READY (of `version` if given)."""
+
+    def done(view: ops.ServiceView) -> bool:
+        return (
+            len(view.replicas) == n
+            and all(r.status == "READY" for r in view.replicas)
+            and (version is None or all(r.version == version for r in view.replicas))
+        )
+
+    return await ops.wait_for(store, name, done, timeout=30)
+
+
+async def event_kinds(store: Store, name: str) -> list[str]:
+    return [e.kind for e in await store.events(name, count=1000)]
+
+
+async def proxy_for(proxy_factory: ProxyFactory, redis_url: str, prefix: str, name: str) -> str:
+    proxy = await proxy_factory.astart(
+        "--redis", redis_url, "--service", name, "--redis-prefix", prefix,
+        "--shutdown-grace", "1", wait="ready",
+    )  # fmt: skip
+    return proxy.url
+
+
+# -- lifecycle with real replicas ----------------------------------------------------------
+
+
+async def test_up_serves_the_replicas_then_down_removes_everything(
+    store: Store, start_controller: StartController, config: ControllerConfig
+) -> None:
+    await start_controller()
+    record = await ops.up(store, "svc", make_spec(2), endpoint="http://127.0.0.1:1")
+    assert record.version == 1 and record.status is ServiceStatus.CONTROLLER_INIT
+
+    view = await ready_view(store, "svc", 2)
+    assert view.status == "READY" and view.ready == 2 and view.total == 2
+    assert view.active_versions == [1] and view.endpoint == "http://127.0.0.1:1"
+    snapshot = await store.snapshot("svc")
+    assert snapshot is not None and snapshot.status == "READY"
+    assert [r.id for r in snapshot.replicas] == [1, 2]
+    assert [r.url for r in snapshot.replicas] == [r.url for r in view.replicas]
+
+    # Each replica got its own port, id and the spec's envs, ran in workdir, logs to a file.
+    async with aiohttp.ClientSession() as session:
+        for replica in view.replicas:
+            async with session.get(f"{replica.url}/fast") as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Replica-Id"] == str(replica.id)
+    for replica_id in (1, 2):
+        assert (config.state_dir / "svc" / f"replica-{replica_id}.log").exists()
+    kinds = await event_kinds(store, "svc")
+    assert kinds.count("launch") == 2 and kinds.count("ready") == 2
+
+    pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
+    assert all(alive(pid) for pid in pids)
+    await ops.down(store, "svc")
+    await eventually(lambda: not any(alive(pid) for pid in pids), within=15, what="terminated")
+
+    deadline = time.monotonic() + 15
+    while await store.services():
+        assert time.monotonic() < deadline, "service not unregistered"
+        await asyncio.sleep(0.05)
+    final = await store.snapshot("svc")
+    assert final is not None and final.status == "SHUTTING_DOWN" and final.replicas == ()
+
+
+async def test_count_only_scale_2_3_2_relabels_in_one_commit_and_keeps_replicas(
+    store: Store,
+    redis_client: aioredis.Redis,
+    start_controller: StartController,
+) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    await ready_view(store, "svc", 2)
+    pids = {i: pid_of(r) for i, r in (await store.replicas("svc")).items()}
+
+    async with SnapshotWatcher(redis_client, store, "svc") as watcher:
+        published = len(watcher.snapshots)
+        assert await ops.update(store, "svc", make_spec(3)) == 2
+        await ready_view(store, "svc", 3, version=2)
+        # The first snapshot after the update already routes the relabelled replicas.
+        first = watcher.snapshots[published]
+        assert first.active_versions == [2] and [r.id for r in first.replicas] == [1, 2]
+
+        published = len(watcher.snapshots)
+        assert await ops.update(store, "svc", make_spec(2)) == 3
+        await ready_view(store, "svc", 2, version=3)
+        first = watcher.snapshots[published]
+        # Relabel and the retirement of replica 3 (largest id) are one commit.
+        assert first.active_versions == [3] and [r.id for r in first.replicas] == [1, 2]
+
+    replicas = await store.replicas("svc")
+    assert sorted(replicas) == [1, 2]
+    assert {i: pid_of(r) for i, r in replicas.items()} == pids  # never replaced
+    assert all(s.replicas for s in watcher.after_first_ready())
+    kinds = await event_kinds(store, "svc")
+    assert kinds.count("launch") == 3 and kinds.count("terminate") == 1
+
+
+@pytest.mark.parametrize("mode", [UpdateMode.ROLLING, UpdateMode.BLUE_GREEN])
+async def test_spec_update_replaces_replicas_without_a_failed_request(
+    mode: UpdateMode,
+    store: Store,
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    start_controller: StartController,
+    proxy_factory: ProxyFactory,
+) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    await ready_view(store, "svc", 2)
+    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc")
+
+    async with SnapshotWatcher(redis_client, store, "svc") as watcher:
+        async with Traffic(url, rate=20) as traffic:
+            await ops.update(store, "svc", make_spec(2, env="b"), mode=mode)
+            await ready_view(store, "svc", 2, version=2)
+            served = len(traffic.outcomes)
+            await eventually(lambda: len(traffic.outcomes) > served + 5, what="traffic after")
+
+    assert traffic.failures() == [], traffic.failures()[:5]
+    assert traffic.slower_than(2.0) == []
+    assert {o.replica for o in traffic.outcomes} >= {"1", "2", "3", "4"}
+    snapshots = watcher.snapshots
+    assert snapshots and all(s.replicas for s in snapshots), "the ready set went empty"
+    if mode is UpdateMode.BLUE_GREEN:
+        assert all(len(s.active_versions) == 1 for s in snapshots)
+        # Switched at once: no snapshot mixes versions.
+        assert all(len({r.version for r in s.replicas}) == 1 for s in snapshots)
+    assert snapshots[-1].active_versions == [2]
+    assert sorted(await store.replicas("svc")) == [3, 4]
+
+
+async def test_drain_keeps_an_in_flight_request_alive(
+    store: Store,
+    redis_url: str,
+    redis_prefix: str,
+    start_controller: StartController,
+    proxy_factory: ProxyFactory,
+) -> None:
+    await start_controller(drain_seconds=4.0)
+    await ops.up(store, "svc", make_spec(2))
+    view = await ready_view(store, "svc", 2)
+    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc")
+
+    async def slow(session: aiohttp.ClientSession) -> tuple[int, str]:
+        async with session.get(f"{url}/slow?delay=2.5") as resp:
+            await resp.read()
+            return resp.status, resp.headers["X-Replica-Id"]
+
+    async def in_flight(replica_url: str) -> int:
+        async with aiohttp.ClientSession() as s, s.get(f"{replica_url}/stats") as resp:
+            n: int = (await resp.json())["in_flight"]
+            return n
+
+    async with aiohttp.ClientSession() as session:
+        requests = [asyncio.create_task(slow(session)) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while [await in_flight(r.url or "") for r in view.replicas] != [1, 1]:
+            assert time.monotonic() < deadline, "the slow requests did not spread"
+            await asyncio.sleep(0.02)
+        await ops.update(store, "svc", make_spec(1))
+        draining = await ops.wait_for(
+            store, "svc", lambda v: any(r.status == "SHUTTING_DOWN" for r in v.replicas), 5
+        )
+        assert [r.id for r in draining.replicas if r.status == "SHUTTING_DOWN"] == [2]
+        snapshot = await store.snapshot("svc")
+        assert snapshot is not None and [r.id for r in snapshot.replicas] == [1]
+        results = await asyncio.gather(*requests)
+
+    assert sorted(results) == [(200, "1"), (200, "2")]
+    pid = pid_of(next(r for r in (await store.replicas("svc")).values() if r.id == 2))
+    await ready_view(store, "svc", 1)  # replica 2 terminated after the drain and deleted
+    assert not alive(pid)
+
+
+async def test_killed_replica_is_replaced(store: Store, start_controller: StartController) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    await ready_view(store, "svc", 2)
+    victim = (await store.replicas("svc"))[2]
+    os.killpg(pid_of(victim), signal.SIGKILL)
+
+    view = await ops.wait_for(
+        store,
+        "svc",
+        lambda v: sorted(r.id for r in v.replicas) == [1, 3] and v.ready == 2,
+        timeout=20,
+    )
+    assert view.status == "READY"
+    failures = [e for e in await store.events("svc", count=1000) if e.kind == "failure"]
+    assert (
+        len(failures) == 1 and "killed by SIGKILL after being ready" in failures[0].fields["reason"]
+    )
+    snapshot = await store.snapshot("svc")
+    assert snapshot is not None and [r.id for r in snapshot.replicas] == [1, 3]
+
+
+async def test_a_never_ready_version_stops_launching_and_status_says_why(
+    store: Store, start_controller: StartController
+) -> None:
+    controller = await start_controller()
+    await ops.up(store, "svc", make_spec(1))
+    await ready_view(store, "svc", 1)
+
+    # v2: the user's command exits at once.
+    await ops.update(store, "svc", make_spec(1, run="echo boom >&2; exit 3"))
+    view = await ops.wait_for(store, "svc", lambda v: v.launch_blocked is not None, 15)
+    for _ in range(3):
+        await controller.step()
+    view = (await ops.status(store, "svc"))[0]
+    assert view.launch_blocked is not None and "exited with code 3" in view.launch_blocked
+    assert view.status == "READY"  # v1 keeps serving
+    assert [(r.id, r.version, r.status) for r in view.replicas] == [
+        (1, 1, "READY"), (2, 2, "FAILED"),
+    ]  # fmt: skip
+    events = await store.events("svc", count=1000)
+    assert [e.fields["version"] for e in events if e.kind == "launch"] == ["1", "2"]
+    snapshot = await store.snapshot("svc")
+    assert snapshot is not None and [r.id for r in snapshot.replicas] == [1]
+
+    # v3: listens but never answers the readiness probe within the initial delay.
+    await ops.update(
+        store,
+        "svc",
+        make_spec(1, run=f"{RUN} --ready-delay 1000", probe={"initial_delay_seconds": 1}),
+    )
+    view = await ops.wait_for(
+        store, "svc", lambda v: any(r.status == "FAILED_INITIAL_DELAY" for r in v.replicas), 15
+    )
+    assert view.launch_blocked is not None and "initial_delay_seconds=1" in view.launch_blocked
+    failed = next(r for r in (await store.replicas("svc")).values() if r.version == 3)
+    await eventually(lambda: not failed.handle or not alive(pid_of(failed)), within=10)
+
+    # v4 works again: it replaces v1, and the failed records of older versions go.
+    await ops.update(store, "svc", make_spec(1, env="fixed"))
+    view = await ready_view(store, "svc", 1, version=4)
+    assert view.launch_blocked is None and view.status == "READY"
+
+
+async def test_a_service_that_never_gets_ready_is_failed(
+    store: Store, start_controller: StartController
+) -> None:
+    controller = await start_controller()
+    await ops.up(store, "svc", make_spec(2, run="exit 1"))
+    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    for _ in range(3):
+        await controller.step()
+    view = (await ops.status(store, "svc"))[0]
+    assert view.status == "FAILED" and view.ready == 0
+    assert view.launch_blocked is not None and "exited with code 1" in view.launch_blocked
+    assert (await event_kinds(store, "svc")).count("launch") == 2  # one round, no loop
+    assert view.last_failure is not None and "before it was ever ready" in view.last_failure
+
+
+async def test_external_replicas_are_probed_and_routed_never_killed(
+    store: Store, start_controller: StartController, replica_factory: ReplicaFactory
+) -> None:
+    await start_controller()
+    (replica,) = await replica_factory.astart(1)
+    await ops.up(store, "ext", make_spec(1, run=None))
+    replica_id = await ops.add_replica(store, "ext", replica.url, accelerator="A100:1")
+    with pytest.raises(ops.ReplicaExists):
+        await ops.add_replica(store, "ext", replica.url + "/")
+    view = await ready_view(store, "ext", 1)
+    assert view.replicas[0].backend == "external" and view.replicas[0].accelerator == "A100:1"
+    snapshot = await store.snapshot("ext")
+    assert snapshot is not None and [r.url for r in snapshot.replicas] == [replica.url]
+
+    # An update relabels it (nothing can replace it).
+    await ops.update(store, "ext", make_spec(3, run=None, env="b"))
+    await ready_view(store, "ext", 1, version=2)
+
+    await ops.remove_replica(store, "ext", replica.url)
+    snapshot = await store.snapshot("ext")
+    assert snapshot is not None and snapshot.replicas == ()
+    await ops.wait_for(store, "ext", lambda v: v.replicas == [], 10)
+    assert replica.alive
+    kinds = await event_kinds(store, "ext")
+    assert "drain" in kinds and "terminate" in kinds
+    with pytest.raises(ops.ReplicaNotFound):
+        await ops.remove_replica(store, "ext", replica.url)
+    assert replica_id == 1
+
+
+async def test_leader_failover_adopts_the_replicas(
+    store: Store, config: ControllerConfig, tmp_path: Path
+) -> None:
+    leader_config = dataclasses.replace(config, holder="leader", terminate_on_close=False)
+    script = (
+        "import asyncio, logging, sys\n"
+        "from pathlib import Path\n"
+        "from controlplane.controller import ControllerConfig, run_controller\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        f"config = ControllerConfig(redis_url={config.redis_url!r}, prefix={config.prefix!r},"
+        f" state_dir=Path({str(config.state_dir)!r}), lease_ttl={config.lease_ttl},"
+        f" drain_seconds=1.0, reconcile_interval=30.0, holder={leader_config.holder!r})\n"
+        "asyncio.run(run_controller(config))\n"
+    )
+    with open(tmp_path / "leader.log", "wb") as out:
+        leader = subprocess.Popen(
+            [sys.executable, "-c", script], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
+    standby_started = asyncio.Event()
+    standby: asyncio.Task[None] | None = None
+    try:
+        deadline = time.monotonic() + 15
+        while await store.lease_holder() != "leader":
+            assert leader.poll() is None, (tmp_path / "leader.log").read_text()
+            assert time.monotonic() < deadline, "the leader never took the lease"
+            await asyncio.sleep(0.05)
+        standby = asyncio.create_task(
+            run_controller(dataclasses.replace(config, holder="standby"), started=standby_started)
+        )
+        await ops.up(store, "svc", make_spec(2))
+        await ready_view(store, "svc", 2)
+        assert not standby_started.is_set()
+        pids = {i: pid_of(r) for i, r in (await store.replicas("svc")).items()}
+
+        leader.kill()  # no chance to release the lease or stop anything
+        leader.wait()
+        async with asyncio.timeout(10):
+            await standby_started.wait()
+        assert await store.lease_holder() == "standby"
+
+        # The new leader adopts the running replicas (same processes) and acts.
+        await ops.update(store, "svc", make_spec(3))
+        await ready_view(store, "svc", 3, version=2)
+        replicas = await store.replicas("svc")
+        assert {i: pid_of(replicas[i]) for i in (1, 2)} == pids
+        assert all(alive(pid) for pid in pids.values())
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
+        if standby is not None:
+            standby.cancel()  # terminate_on_close: stops every replica, adopted ones too
+            with contextlib.suppress(asyncio.CancelledError):
+                await standby
+    assert not any(alive(pid) for pid in pids.values())
+    assert await store.lease_holder() is None  # released on the way out
+
+
+# -- ops without a controller --------------------------------------------------------------
+
+
+async def test_ops_errors(store: Store) -> None:
+    with pytest.raises(ServiceNotFound):
+        await ops.update(store, "nope", make_spec(1))
+    with pytest.raises(ServiceNotFound):
+        await ops.status(store, "nope")
+    with pytest.raises(ServiceNotFound):
+        await ops.down(store, "nope")
+    await ops.up(store, "svc", make_spec(1))
+    with pytest.raises(ServiceExists):
+        await ops.up(store, "svc", make_spec(1))
+    with pytest.raises(ValueError):
+        await ops.add_replica(store, "svc", "not a url")
+    assert await ops.update(store, "svc", make_spec(2), mode=UpdateMode.BLUE_GREEN) == 2
+    record = await store.service("svc")
+    assert record is not None and record.update_mode is UpdateMode.BLUE_GREEN
+    assert record.min_replicas == {1: 1, 2: 2}
+    stored = await store.spec("svc", 2)
+    assert stored is not None and ServiceSpec.from_json(stored) == make_spec(2)
+    await ops.down(store, "svc")
+    with pytest.raises(ops.ServiceShuttingDown):
+        await ops.update(store, "svc", make_spec(3))
+    with pytest.raises(ops.ServiceShuttingDown):
+        await ops.add_replica(store, "svc", "http://127.0.0.1:9")
+    (view,) = await ops.status(store)
+    assert view.status == "SHUTTING_DOWN" and view.version == 2
+    with pytest.raises(TimeoutError):
+        await ops.wait_for(store, "svc", lambda v: v.ready > 0, timeout=0.2)
+
+
+# -- the local backend ----------------------------------------------------------------------
+
+
+async def test_local_backend_setup_once_env_workdir_and_termination(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    spec = parse_spec(
+        {
+            "service": {"readiness_probe": "/", "replicas": 1},
+            "workdir": str(workdir),
+            "envs": {"GREETING": "hi"},
+            "setup": "echo ran >> setup.count",
+            "run": 'echo "$PORT $SLUICE_REPLICA_ID $SKYPILOT_SERVE_REPLICA_ID $GREETING $PWD"'
+            " > out-$SLUICE_REPLICA_ID; trap '' TERM; exec sleep 60",
+        }
+    )
+    backend = LocalBackend(tmp_path / "state", term_timeout=0.3)
+    await backend.start()
+    launched = await asyncio.gather(*(backend.launch("svc", i, 1, spec) for i in (1, 2)))
+    await backend.launch("svc", 3, 1, spec)
+    assert (workdir / "setup.count").read_text() == "ran\n"  # once per version
+    await eventually(lambda: (workdir / "out-2").exists(), what="replica output")
+    port = launched[1].handle["port"]
+    await eventually(lambda: (workdir / "out-2").read_text().strip() != "", what="output")
+    assert (workdir / "out-2").read_text().split() == [str(port), "2", "2", "hi", str(workdir)]
+    assert launched[1].url == f"http://127.0.0.1:{port}"
+    assert all(backend.exited(x.handle) is None for x in launched)
+
+    # A successor adopts by pid (the handle, or the handle file if never recorded).
+    successor = LocalBackend(tmp_path / "state", term_timeout=0.3)
+    recovered = successor.recover("svc", 2)
+    assert recovered is not None and recovered.handle == launched[1].handle
+    assert successor.exited(launched[0].handle) is None
+    await successor.terminate(launched[0].handle)  # ignores SIGTERM: SIGKILLed
+    assert successor.exited(launched[0].handle) is not None
+    assert backend.exited(launched[0].handle) == "killed by SIGKILL"
+    assert successor.recover("svc", 1) is None
+    for replica_id in (2, 3):
+        handle = successor.recover("svc", replica_id)
+        assert handle is not None
+        await backend.terminate(handle.handle)
+    await backend.aclose()
+
+
+async def test_local_backend_failed_setup_fails_the_launch(tmp_path: Path) -> None:
+    spec = parse_spec(
+        {"service": {"replicas": 1}, "setup": "exit 4", "run": "sleep 1", "workdir": "."}
+    )
+    backend = LocalBackend(tmp_path, base_dir=tmp_path)
+    with pytest.raises(Exception, match="setup of version 1 exited with code 4"):
+        await backend.launch("svc", 1, 1, spec)
+    await backend.aclose()
+
+
+# -- the prober ------------------------------------------------------------------------------
+
+
+async def test_prober_probes_concurrently_each_with_its_own_timeout() -> None:
+    seen: list[tuple[str, str, bytes, str | None]] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(
+            (request.method, request.path, await request.read(), request.headers.get("X-Key"))
+        )
+        match request.path:
+            case "/slow":
+                await asyncio.sleep(5)
+            case "/down":
+                return web.Response(status=503)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    woken = asyncio.Event()
+    prober = Prober(clock=time.time, on_result=woken.set)
+    await prober.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        closed = f"http://127.0.0.1:{free_port()}"
+
+        def replica(i: int, at: str = url) -> ReplicaRecord:
+            return ReplicaRecord(id=i, status=ReplicaStatus.STARTING, url=at)
+
+        targets = [
+            (replica(1), ReadinessProbe(path="/ok")),
+            (replica(2), ReadinessProbe(path="/slow", timeout_seconds=0.5)),
+            (replica(3), ReadinessProbe(path="/down")),
+            (replica(4), ReadinessProbe(path="/p", post_data={"q": 1}, headers={"X-Key": "k"})),
+            (replica(5, closed), ReadinessProbe(path="/ok")),
+        ]
+        started = time.monotonic()
+        assert prober.poll("svc", targets, time.time()) == {}  # never waits for a probe
+        assert time.monotonic() - started < 0.1
+        results: dict[int, ProbeResult] = {}
+        deadline = time.monotonic() + 5
+        while len(results) < 5:
+            assert time.monotonic() < deadline, results
+            await woken.wait()
+            woken.clear()
+            results.update(prober.poll("svc", targets, time.time()))
+        assert {i: r.ok for i, r in results.items()} == {1: True, 2: False, 3: False, 4: True,
+                                                         5: False}  # fmt: skip
+        assert results[2].detail == "timeout after 0.5s" and results[3].detail == "503"
+        assert ("POST", "/p", b'{"q":1}', "k") in seen and ("GET", "/ok", b"", None) in seen
+        assert time.monotonic() - started < 2  # concurrent: bounded by the slowest timeout
+    finally:
+        await prober.aclose()
+        await runner.cleanup()
+
+
+def test_probe_state_machine() -> None:
+    replace = msgspec.structs.replace
+    probe = ReadinessProbe(
+        path="/h", initial_delay_seconds=10, consecutive_failure_threshold_timeout=5
+    )
+    url = "http://127.0.0.1:1"
+    ok = ProbeResult(1, True, "200", url)
+    bad = ProbeResult(1, False, "503", url)
+    starting = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url=url, launched_at=100.0)
+
+    assert apply_probe(starting, bad, probe, 105.0).record == starting  # within initial delay
+    late = apply_probe(starting, bad, probe, 111.0)
+    assert late.record.status is ReplicaStatus.FAILED_INITIAL_DELAY and late.event == "failure"
+
+    ready = apply_probe(starting, ok, probe, 105.0)
+    assert ready.event == "ready" and ready.record.status is ReplicaStatus.READY
+    assert ready.record.first_ready_at == 105.0
+    dip = apply_probe(ready.record, bad, probe, 120.0)
+    assert dip.event == "not_ready" and dip.record.status is ReplicaStatus.NOT_READY
+    still = apply_probe(dip.record, bad, probe, 124.0)
+    assert still.record.status is ReplicaStatus.NOT_READY and still.record.failures == 2
+    back = apply_probe(still.record, ok, probe, 124.5)
+    assert back.record.status is ReplicaStatus.READY and back.record.failures == 0
+    assert back.record.first_ready_at == 105.0
+    gone = apply_probe(apply_probe(back.record, bad, probe, 130).record, bad, probe, 135.5)
+    assert gone.record.status is ReplicaStatus.FAILED_PROBING and gone.event == "failure"
+
+    # A result for a replica that moved (another URL) or left is ignored.
+    moved = replace(ready.record, url="http://127.0.0.1:2")
+    assert apply_probe(moved, bad, probe, 130.0).record == moved
+    exited = apply_exit(ready.record, "exited with code 1", 130.0)
+    assert exited.record.status is ReplicaStatus.FAILED
+    assert exited.reason == "process exited with code 1 after being ready"
+
+
+async def test_control_subscription_decodes_nudges(
+    store: Store, redis_client: aioredis.Redis
+) -> None:
+    subscription = await store.subscribe_control()
+    try:
+        assert await subscription.get(timeout=0.05) is None
+        await store.nudge("svc", reason="demand")
+        await redis_client.publish(store.keys.control, b"other")
+        await redis_client.publish(store.keys.control, b'{"service": 1}')  # invalid: skipped
+        await redis_client.publish(store.keys.control, b"last")
+        got: list[tuple[str, str]] = []
+        deadline = time.monotonic() + 5
+        while len(got) < 3:
+            assert time.monotonic() < deadline, got
+            nudge = await subscription.get(timeout=1)
+            if nudge is not None:
+                got.append((nudge.service, nudge.reason))
+        assert got == [("svc", "demand"), ("other", "changed"), ("last", "changed")]
+    finally:
+        await subscription.aclose()
