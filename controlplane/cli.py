@@ -1,0 +1,697 @@
+"""`sluice`: the command line. Parse, build config, call one function.
+
+    sluice run FILE [-n NAME]                 everything in the foreground (controlplane.run)
+    sluice up FILE [-n NAME]                  ops commands: Redis only (controlplane.ops)
+    sluice update NAME FILE [--mode MODE]
+    sluice down NAME
+    sluice status [NAME] [--json] [--endpoint]
+    sluice replica add|remove NAME URL
+    sluice snapshot NAME [--json] [--watch]
+    sluice logs NAME --controller|--proxy|--replica ID [--follow]
+    sluice controller                         long-running: the controller
+    sluice proxy                              long-running: = sluice-proxy
+
+Every command takes `--redis URL` (env SLUICE_REDIS_URL) and `--prefix` (env
+SLUICE_PREFIX); without `--redis`, the ops commands use the Redis of a `sluice
+run` alive on `--state-dir` (its `run.json`), else redis://127.0.0.1:6379/0.
+Other options follow click's `auto_envvar_prefix="SLUICE"` (SLUICE_RUN_PORT ...).
+
+Errors are translated here, at one boundary (`_errors`), into one line on stderr
+and exit code 1: a SpecError names the file and the field path, an unreachable
+Redis names the URL (password redacted). A spec is loaded and validated before
+any connection to Redis, so an invalid file never reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import msgspec
+
+from controlplane import ops
+from controlplane.controller import ControllerConfig, run_controller
+from controlplane.display import snapshot_text, status_text
+from controlplane.follow import follow_snapshots
+from controlplane.models import ReplicaRecord, UpdateMode
+from controlplane.run import RunConfig, read_run_info, redact_url, run_service
+from controlplane.spec import ServiceSpec, SpecError, load_spec
+from controlplane.store import (
+    DEFAULT_PREFIX,
+    ServiceNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
+from proxy.cli import proxy_command
+from proxy.errors import SluiceError
+
+T = TypeVar("T")
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_STATE_DIR = "~/.sluice"
+LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)
+_FOLLOW_POLL = 0.25  # seconds between looks at a followed log file
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the ops commands find sluice's state: a Redis URL and a key prefix."""
+
+    url: str
+    prefix: str
+
+
+# -- the error boundary ----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _errors(url: str | None = None) -> Iterator[None]:
+    """Turn sluice's errors into one line on stderr and exit code 1 (click prints it)."""
+    try:
+        yield
+    except StoreUnavailable as exc:
+        detail = str(exc).removeprefix("redis unavailable: ")
+        where = f" at {redact_url(url)}" if url else ""
+        raise click.ClickException(_one_line(f"cannot reach Redis{where}: {detail}")) from exc
+    except (SpecError, SluiceError, ValueError, TimeoutError) as exc:
+        # SpecError names the file and field path; the store's and the ops' errors
+        # (ServiceNotFound, ServiceExists, OpsError ...) say what went wrong.
+        raise click.ClickException(_one_line(str(exc) or type(exc).__name__)) from exc
+
+
+def _one_line(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(lines) if len(lines) <= 3 else " ".join(lines[:3]) + " ..."
+
+
+def _with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
+    """Run `fn(store)` on a fresh event loop with a store on `target`, closed afterwards."""
+
+    async def main() -> T:
+        async with Store.from_url(target.url, prefix=target.prefix) as store:
+            return await fn(store)
+
+    with _errors(target.url):
+        return asyncio.run(main())
+
+
+# -- shared options --------------------------------------------------------------------------
+
+
+_REDIS_HELP = (
+    "Redis URL (redis://, rediss://, unix://; password allowed). Default: the Redis of a "
+    f"`sluice run` on --state-dir, else {DEFAULT_REDIS_URL}. Env: SLUICE_REDIS_URL."
+)
+
+
+def _redis_options(
+    redis_help: str = _REDIS_HELP,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """--redis, --prefix and --state-dir, on every command that reads sluice's state."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            "--state-dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            envvar="SLUICE_STATE_DIR",
+            default=DEFAULT_STATE_DIR,
+            show_default=True,
+            help="Where logs and `sluice run`'s run.json live. Env: SLUICE_STATE_DIR.",
+        )(command)
+        command = click.option(
+            "--prefix",
+            envvar="SLUICE_PREFIX",
+            default=DEFAULT_PREFIX,
+            show_default=True,
+            help="Redis key prefix. Env: SLUICE_PREFIX.",
+        )(command)
+        return click.option(
+            "--redis", "redis_url", envvar="SLUICE_REDIS_URL", metavar="URL", help=redis_help
+        )(command)
+
+    return decorate
+
+
+def _state_dir(path: Path) -> Path:
+    return path.expanduser().resolve()
+
+
+def _target(redis_url: str | None, prefix: str, state_dir: Path) -> Target:
+    """Explicit --redis; else the Redis of a live `sluice run` on the state dir (with its
+    prefix unless --prefix was given); else the default URL."""
+    if redis_url:
+        return Target(redis_url, prefix)
+    info = read_run_info(_state_dir(state_dir))
+    if info is None:
+        return Target(DEFAULT_REDIS_URL, prefix)
+    ctx = click.get_current_context()
+    explicit = ctx.get_parameter_source("prefix") not in (
+        click.core.ParameterSource.DEFAULT,
+        None,
+    )
+    return Target(info.redis_url, prefix if explicit else info.prefix)
+
+
+def _load(file: Path) -> ServiceSpec:
+    """The validated spec of `file`; raises the one-line error before any Redis call."""
+    with _errors():
+        return load_spec(file)
+
+
+def _service_name(name: str | None, spec: ServiceSpec, file: Path) -> str:
+    chosen = name or spec.name or file.stem
+    if not chosen or ":" in chosen or any(c.isspace() for c in chosen):
+        raise click.BadParameter(
+            f"{chosen!r}: a service name has no ':' or spaces", param_hint="-n/--name"
+        )
+    return chosen
+
+
+def _check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    if not value.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{value!r} is not an http(s)://host:port URL")
+    return value
+
+
+# -- the group -------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def cli() -> None:
+    """sluice: serve one endpoint in front of many replicas, with gap-free updates.
+
+    \b
+    Quick start:
+      sluice run examples/echo.yaml        # redis, controller, proxy, replicas; Ctrl-C stops
+      sluice status                        # in another terminal
+    """
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-n", "--name", help="Service name (default: the YAML's `name`, else the file's).")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Proxy listen address.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Proxy port (0: any free port).")  # fmt: skip
+@click.option("--admin-port", type=click.IntRange(0, 65535), default=0,
+              help="Proxy admin port on 127.0.0.1 (default: any free port).")  # fmt: skip
+@_redis_options(
+    "Use this Redis instead of starting a private redis-server (the default). "
+    "Env: SLUICE_REDIS_URL."
+)
+@click.option(
+    "--drain-seconds",
+    type=click.FloatRange(0),
+    default=5.0,
+    show_default=True,
+    help="How long a replica leaving service keeps running before it is stopped.",
+)
+@click.option(
+    "--down-timeout",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="On Ctrl-C, how long to wait for the controller to stop the replicas.",
+)
+@click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
+def run(
+    file: Path,
+    name: str | None,
+    host: str,
+    port: int,
+    admin_port: int,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+    drain_seconds: float,
+    down_timeout: float,
+    log_level: str,
+) -> None:
+    """Run FILE's service in the foreground: Redis, controller, proxy, replicas.
+
+    Starts a private redis-server unless --redis is given, the controller and the
+    proxy as child processes (logs under --state-dir), registers the service and
+    shows its replicas coming up. Ctrl-C takes the service down, waits for the
+    replicas to be stopped, and stops everything it started.
+
+    \b
+    Example:
+      sluice run examples/echo.yaml --port 8080
+    """
+    spec = _load(file)
+    config = RunConfig(
+        spec=spec,
+        name=_service_name(name, spec, file),
+        state_dir=_state_dir(state_dir),
+        redis_url=redis_url,
+        prefix=prefix,
+        host=host,
+        port=port,
+        admin_port=admin_port,
+        drain_seconds=drain_seconds,
+        down_timeout=down_timeout,
+        log_level=log_level.upper(),
+    )
+    with _errors(redis_url):
+        code = run_service(config)
+    sys.exit(code)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-n", "--name", help="Service name (default: the YAML's `name`, else the file's).")
+@click.option("--endpoint", metavar="URL", help="Where clients reach the service (shown by "
+              "`sluice status`), e.g. the URL of its sluice-proxy.")  # fmt: skip
+@_redis_options()
+def up(
+    file: Path,
+    name: str | None,
+    endpoint: str | None,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Register FILE's service; the controller launches its replicas.
+
+    \b
+    Example:
+      sluice up examples/echo.yaml -n echo --redis redis://127.0.0.1:6379
+    """
+    spec = _load(file)
+    service = _service_name(name, spec, file)
+    target = _target(redis_url, prefix, state_dir)
+    record = _with_store(target, lambda store: ops.up(store, service, spec, endpoint=endpoint))
+    click.echo(f"{record.name}: registered version {record.version}; the controller launches "
+               f"{spec.min_replicas} replica(s). Watch: sluice status {record.name}")  # fmt: skip
+
+
+@cli.command()
+@click.argument("name")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--mode",
+    type=click.Choice([m.value for m in UpdateMode]),
+    default=None,
+    help="How the new version takes over (default: the service's current mode).",
+)
+@_redis_options()
+def update(
+    name: str,
+    file: Path,
+    mode: str | None,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Make FILE the next version of service NAME.
+
+    A count-only change (only `service:` replica counts, probe, policy) relabels
+    the running replicas; any other change rolls out new replicas.
+
+    \b
+    Example:
+      sluice update echo examples/echo.yaml --mode blue_green
+    """
+    spec = _load(file)
+    target = _target(redis_url, prefix, state_dir)
+    chosen = UpdateMode(mode) if mode is not None else None
+    version = _with_store(target, lambda store: ops.update(store, name, spec, mode=chosen))
+    how = f" ({chosen.value})" if chosen is not None else ""
+    click.echo(f"{name}: updating to version {version}{how}. Watch: sluice status {name}")
+
+
+@cli.command()
+@click.argument("name")
+@_redis_options()
+def down(name: str, redis_url: str | None, prefix: str, state_dir: Path) -> None:
+    """Take service NAME down: the controller drains and stops its replicas.
+
+    \b
+    Example:
+      sluice down echo
+    """
+    target = _target(redis_url, prefix, state_dir)
+    _with_store(target, lambda store: ops.down(store, name))
+    click.echo(f"{name}: shutting down; the controller drains and stops its replicas")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the services as JSON.")
+@click.option("--endpoint", is_flag=True, help="Print only the endpoint of service NAME.")
+@_redis_options()
+def status(
+    name: str | None,
+    as_json: bool,
+    endpoint: bool,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Show services (or NAME) and their replicas.
+
+    \b
+    Examples:
+      sluice status
+      sluice status echo --json
+      curl $(sluice status echo --endpoint)/health
+    """
+    if endpoint and name is None:
+        raise click.UsageError("--endpoint needs a service NAME")
+    target = _target(redis_url, prefix, state_dir)
+    views = _with_store(target, lambda store: ops.status(store, name))
+    if endpoint:
+        url = views[0].endpoint
+        if not url:
+            raise click.ClickException(f"service {name!r} has no endpoint recorded")
+        click.echo(url)
+    elif as_json:
+        click.echo(msgspec.json.format(msgspec.json.encode(views), indent=2).decode())
+    else:
+        click.echo(status_text(views, time.time()))
+
+
+@cli.group()
+def replica() -> None:
+    """Register or remove external replicas (the controller probes them, never runs them)."""
+
+
+@replica.command("add")
+@click.argument("name")
+@click.argument("url", callback=_check_url)
+@click.option("--accelerator", metavar="NAME[:COUNT]", help="e.g. A100:1; used by "
+              "instance_aware_least_load to look up the target QPS.")  # fmt: skip
+@click.option("--spot", is_flag=True, help="The replica runs on a spot instance.")
+@_redis_options()
+def replica_add(
+    name: str,
+    url: str,
+    accelerator: str | None,
+    spot: bool,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Register the replica at URL with service NAME.
+
+    \b
+    Example:
+      sluice replica add llm http://10.0.0.7:8000 --accelerator A100:1
+    """
+    target = _target(redis_url, prefix, state_dir)
+    replica_id = _with_store(
+        target,
+        lambda store: ops.add_replica(store, name, url, accelerator=accelerator, spot=spot),
+    )
+    click.echo(f"{name}: replica {replica_id} at {url.rstrip('/')} registered; "
+               "it is routed once its readiness probe passes")  # fmt: skip
+
+
+@replica.command("remove")
+@click.argument("name")
+@click.argument("url", callback=_check_url)
+@_redis_options()
+def replica_remove(
+    name: str, url: str, redis_url: str | None, prefix: str, state_dir: Path
+) -> None:
+    """Take the external replica at URL out of service NAME (it is not stopped).
+
+    \b
+    Example:
+      sluice replica remove llm http://10.0.0.7:8000
+    """
+    target = _target(redis_url, prefix, state_dir)
+    _with_store(target, lambda store: ops.remove_replica(store, name, url))
+    click.echo(f"{name}: replica at {url.rstrip('/')} removed from the ready set")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print the snapshot as JSON (one line "
+              "per generation with --watch).")  # fmt: skip
+@click.option("--watch", is_flag=True, help="Keep printing every new generation; Ctrl-C stops.")
+@_redis_options()
+def snapshot(
+    name: str,
+    as_json: bool,
+    watch: bool,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Print the ReadySnapshot proxies route NAME by: generation, status, policy, active
+    versions and ready replicas.
+
+    \b
+    Examples:
+      sluice snapshot echo
+      sluice snapshot echo --watch --json
+      redis-cli GET sluice:svc:echo:snapshot     # the same, without sluice
+    """
+    target = _target(redis_url, prefix, state_dir)
+
+    def show(snap: Any) -> None:
+        if as_json:
+            click.echo(msgspec.json.encode(snap).decode())
+        else:
+            click.echo(snapshot_text(snap, time.time()))
+
+    async def current(store: Store) -> Any:
+        snap = await store.snapshot(name)
+        if snap is None:
+            if await store.service(name) is None:
+                raise ServiceNotFound(f"no service {name!r}")
+            raise StoreError(f"service {name!r} has no snapshot yet")
+        return snap
+
+    if not watch:
+        show(_with_store(target, current))
+        return
+    _with_store(target, current)  # a missing service is an error, not an endless wait
+
+    async def follow() -> None:
+        first = True
+        async for snap in follow_snapshots(target.url, name, prefix=target.prefix):
+            if not first and not as_json:
+                click.echo("")
+            first = False
+            show(snap)
+
+    with _errors(target.url), contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(follow())
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--controller", "which", flag_value="controller", help="The controller's log.")
+@click.option("--proxy", "which", flag_value="proxy", help="The proxy's log (sluice run).")
+@click.option("--replica", "replica_id", type=int, metavar="ID", help="A replica's log.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what is appended; Ctrl-C stops.")
+@_redis_options()
+def logs(
+    name: str,
+    which: str | None,
+    replica_id: int | None,
+    follow: bool,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Print a log of service NAME: --controller, --proxy or --replica ID.
+
+    Logs live under --state-dir: controller.log, NAME/proxy.log and, for replicas
+    of the local backend, the path in the replica's handle (NAME/replica-ID.log).
+
+    \b
+    Examples:
+      sluice logs echo --replica 1 --follow
+      sluice logs echo --controller
+    """
+    if (which is not None) + (replica_id is not None) != 1:
+        raise click.UsageError("choose one of --controller, --proxy, --replica ID")
+    directory = _state_dir(state_dir)
+    if which == "controller":
+        path = directory / "controller.log"
+    elif which == "proxy":
+        path = directory / name / "proxy.log"
+    else:
+        assert replica_id is not None
+        path = _replica_log(_target(redis_url, prefix, state_dir), directory, name, replica_id)
+    if not path.is_file():
+        raise click.ClickException(f"no log at {path}")
+    with contextlib.suppress(KeyboardInterrupt):
+        _print_file(path, follow)
+
+
+def _replica_log(target: Target, state_dir: Path, name: str, replica_id: int) -> Path:
+    """The log path in the replica's handle; the local backend's default path when the
+    record is gone (a terminated replica) or Redis cannot say."""
+    fallback = state_dir / name / f"replica-{replica_id}.log"
+
+    async def lookup(store: Store) -> ReplicaRecord | None:
+        record = await store.replica(name, replica_id)
+        if record is None and await store.service(name) is None:
+            raise ServiceNotFound(f"no service {name!r}")
+        return record
+
+    try:
+        record = _with_store(target, lookup)
+    except click.ClickException:
+        if fallback.is_file():
+            return fallback
+        raise
+    if record is not None:
+        logged = record.handle.get("log")
+        if isinstance(logged, str):
+            return Path(logged)
+        if record.backend != "local":
+            raise click.ClickException(
+                f"replica {replica_id} of {name} is {record.backend}; sluice keeps no log of it"
+            )
+    elif not fallback.is_file():
+        raise click.ClickException(f"service {name!r} has no replica {replica_id}")
+    return fallback
+
+
+def _print_file(path: Path, follow: bool) -> None:
+    """Copy the file to stdout; with `follow`, keep copying what is appended (tail -F)."""
+    out = click.get_binary_stream("stdout")
+    with path.open("rb") as fh:
+        while True:
+            chunk = fh.read(65536)
+            if chunk:
+                out.write(chunk)
+                continue
+            out.flush()
+            if not follow:
+                return
+            with contextlib.suppress(OSError):
+                if path.stat().st_size < fh.tell():
+                    fh.seek(0)  # truncated: start over
+            time.sleep(_FOLLOW_POLL)  # a file has no change notification without inotify
+
+
+@cli.command()
+@_redis_options()
+@click.option(
+    "--drain-seconds",
+    type=click.FloatRange(0),
+    default=120.0,
+    show_default=True,
+    help="How long a replica leaving service keeps running before it is stopped.",
+)
+@click.option(
+    "--lease-ttl",
+    type=click.FloatRange(0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Leader lease TTL; a standby takes over after it.",
+)
+@click.option("--holder", help="This controller's lease holder id (default: host and pid).")
+@click.option(
+    "--reconcile-interval",
+    type=click.FloatRange(0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds between reconcile passes without nudges.",
+)
+@click.option(
+    "--term-timeout",
+    type=click.FloatRange(0),
+    default=10.0,
+    show_default=True,
+    help="Seconds from SIGTERM to SIGKILL when stopping a local replica.",
+)
+@click.option(
+    "--terminate-on-exit",
+    is_flag=True,
+    help="Stop every replica when this "
+    "controller exits (what `sluice run` asks); by default they keep running and "
+    "the next controller adopts them.",
+)
+@click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
+def controller(
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+    drain_seconds: float,
+    lease_ttl: float,
+    holder: str | None,
+    reconcile_interval: float,
+    term_timeout: float,
+    terminate_on_exit: bool,
+    log_level: str,
+) -> None:
+    """Run the controller until SIGTERM: reconcile every service in Redis.
+
+    Replica logs go under --state-dir. Run two for failover: one holds the
+    leader lease, the other stands by.
+
+    \b
+    Example:
+      sluice controller --redis redis://127.0.0.1:6379 --state-dir /var/lib/sluice
+    """
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
+    )
+    target = _target(redis_url, prefix, state_dir)
+    config = ControllerConfig(
+        redis_url=target.url,
+        prefix=target.prefix,
+        state_dir=_state_dir(state_dir),
+        drain_seconds=drain_seconds,
+        lease_ttl=lease_ttl,
+        holder=holder,
+        reconcile_interval=reconcile_interval,
+        term_timeout=term_timeout,
+        terminate_on_close=terminate_on_exit,
+    )
+    with _errors(target.url):
+        _serve_controller(config)
+
+
+def _serve_controller(config: ControllerConfig) -> None:
+    """run_controller on uvloop until SIGTERM or SIGINT, then cancel it and wait."""
+    import uvloop
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = asyncio.create_task(run_controller(config), name="sluice-controller")
+        stopper = asyncio.create_task(stop.wait(), name="sluice-controller-stop")
+        try:
+            await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not runner.done():
+                runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner  # re-raises what ended it early (e.g. Redis unreachable)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve())
+
+
+cli.add_command(proxy_command, name="proxy")
+
+
+def main() -> None:
+    """The `sluice` console script."""
+    cli(auto_envvar_prefix="SLUICE")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Text rendering for the CLI: the `sluice status` tables, the `sluice snapshot`
+listing, and the live view `sluice run` keeps on the terminal.
+
+Pure functions from `ops.ServiceView` / `ReadySnapshot` to strings; `LiveView`
+is the only stateful piece (what it printed last, to redraw or to diff).
+Times are wall-clock seconds (`time.time()`), passed in as `now`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from controlplane.ops import ReplicaView, ServiceView
+from proxy.snapshot import ReadySnapshot
+
+_NONE = "-"
+
+
+def duration(seconds: float) -> str:
+    """A short human duration: 45s, 3m 5s, 2h 10m, 4d 1h."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m}m {s}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h {m}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h}h"
+
+
+def ago(at: float | None, now: float) -> str:
+    """`3m 5s ago`, or `-` when there is no time."""
+    return _NONE if not at else f"{duration(now - at)} ago"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns separated by two spaces, like Sky Serve's tables."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in [list(headers), *rows]
+    ]
+    return "\n".join(lines)
+
+
+def versions(view: ServiceView) -> str:
+    """`1`, or `1,2` while two versions serve, or `-` when none does."""
+    return ",".join(str(v) for v in view.active_versions) or _NONE
+
+
+def services_table(views: Sequence[ServiceView], now: float) -> str:
+    """Sky Serve's service columns: name, version(s) active, uptime, status, ready/total
+    replicas, endpoint."""
+    rows = [
+        [
+            v.name,
+            versions(v),
+            duration(v.uptime),
+            v.status,
+            f"{v.ready}/{v.total}",
+            v.endpoint or _NONE,
+        ]
+        for v in views
+    ]
+    return table(["NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT"], rows)
+
+
+def _replica_row(service: str, r: ReplicaView, now: float) -> list[str]:
+    return [
+        service,
+        str(r.id),
+        str(r.version),
+        r.url or _NONE,
+        ago(r.launched_at, now),
+        r.status,
+    ]
+
+
+def replicas_table(views: Sequence[ServiceView], now: float) -> str:
+    """Every replica of `views`: service, id, version, endpoint, launched, status."""
+    rows = [_replica_row(v.name, r, now) for v in views for r in v.replicas]
+    return table(["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+
+
+def status_text(views: Sequence[ServiceView], now: float) -> str:
+    """What `sluice status` prints: the services, why any stopped launching, the replicas."""
+    if not views:
+        return "No services."
+    parts = ["Services", services_table(views, now)]
+    notes = [f"{v.name}: {v.launch_blocked}" for v in views if v.launch_blocked]
+    if notes:
+        parts += ["", *notes]
+    parts += ["", "Service Replicas"]
+    if any(v.replicas for v in views):
+        parts.append(replicas_table(views, now))
+    else:
+        parts.append("No replicas.")
+    return "\n".join(parts)
+
+
+def snapshot_text(snapshot: ReadySnapshot, now: float) -> str:
+    """A ReadySnapshot as a header line and a replica table."""
+    active = ",".join(str(v) for v in snapshot.active_versions) or _NONE
+    published = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.published_at))
+    head = (
+        f"service {snapshot.service}  generation {snapshot.generation}  "
+        f"status {snapshot.status}  policy {snapshot.policy}  active versions {active}\n"
+        f"published {published} ({ago(snapshot.published_at, now)})"
+    )
+    if not snapshot.replicas:
+        return f"{head}\nNo ready replicas."
+    rows = [
+        [
+            str(r.id),
+            str(r.version),
+            r.url,
+            r.accelerator or _NONE,
+            _NONE if r.target_qps is None else f"{r.target_qps:g}",
+            "yes" if r.spot else "no",
+        ]
+        for r in snapshot.replicas
+    ]
+    return f"{head}\n" + table(["ID", "VERSION", "URL", "ACCELERATOR", "TARGET_QPS", "SPOT"], rows)
+
+
+class LiveView:
+    """The replicas of one service coming up, on a terminal or in a log.
+
+    On a TTY it redraws a small table in place on every `update`; otherwise it
+    prints one line per change (service status, a replica's status), so piped
+    output stays readable.
+    """
+
+    def __init__(self, out: TextIO, *, tty: bool) -> None:
+        self._out = out
+        self._tty = tty
+        self._drawn = 0  # lines of the last redraw
+        self._service_status: str | None = None
+        self._replicas: dict[int, str] = {}
+
+    def update(self, view: ServiceView, now: float) -> None:
+        if self._tty:
+            self._redraw(view, now)
+        else:
+            self._print_changes(view, now)
+
+    def message(self, text: str) -> None:
+        """A line that stays (above the live table on a TTY)."""
+        self.clear()
+        print(text, file=self._out, flush=True)
+
+    def clear(self) -> None:
+        """Erase the live table (TTY only), e.g. before the shutdown messages."""
+        if self._tty and self._drawn:
+            self._out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._out.flush()
+            self._drawn = 0
+
+    def _redraw(self, view: ServiceView, now: float) -> None:
+        text = (
+            f"{view.name}: {view.status}, {view.ready}/{view.total} ready, "
+            f"version {versions(view)}, up {duration(view.uptime)}"
+        )
+        if view.launch_blocked:
+            text += f"\n{view.launch_blocked}"
+        if view.replicas:
+            rows = [_replica_row(view.name, r, now)[1:] for r in view.replicas]
+            text += "\n" + table(["ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+        lines = text.split("\n")
+        self.clear()
+        self._out.write("\n".join(lines) + "\n")
+        self._out.flush()
+        self._drawn = len(lines)
+
+    def _print_changes(self, view: ServiceView, now: float) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(now))
+        lines = []
+        if view.status != self._service_status:
+            self._service_status = view.status
+            lines.append(f"{stamp} {view.name}: {view.status} ({view.ready}/{view.total} ready)")
+        seen = {}
+        for r in view.replicas:
+            seen[r.id] = r.status
+            if self._replicas.get(r.id) != r.status:
+                lines.append(
+                    f"{stamp} replica {r.id} (version {r.version}, {r.url or 'no url yet'}): "
+                    f"{r.status}"
+                )
+        for gone in sorted(set(self._replicas) - set(seen)):
+            lines.append(f"{stamp} replica {gone}: removed")
+        self._replicas = seen
+        if lines:
+            print("\n".join(lines), file=self._out, flush=True)

@@ -1,0 +1,534 @@
+"""`sluice run FILE`: one service and everything it needs, in the foreground.
+
+`ServiceRun.run()` starts, in order:
+
+1. a private redis-server (`controlplane.redisserver.EmbeddedRedis`, state in
+   `{state_dir}/redis`) unless a Redis URL is given;
+2. the controller, `python -m controlplane.cli controller ...`, logging to
+   `{state_dir}/controller.log`;
+3. the proxy, `python -m proxy.cli --redis URL --service NAME ...`, logging to
+   `{state_dir}/{name}/proxy.log`;
+4. `ops.up` of the service; the controller launches the replicas;
+
+then shows them coming up (a table redrawn in place on a terminal, one line per
+change otherwise) until SIGINT, SIGTERM or SIGHUP. Shutdown, in order: `ops.down`;
+wait (at most `down_timeout`) for the controller to terminate the replicas and
+unregister the service; stop the proxy, then the controller (SIGTERM, SIGKILL
+after `stop_timeout`); kill any replica process group still alive (a controller
+that missed the deadline; identified by pid and start time from its handle);
+stop redis. A second signal skips the waiting. Nothing is left running.
+
+Children run in their own sessions, so a Ctrl-C on the terminal reaches only
+this process, which then stops them in the order above; each also gets SIGTERM
+if this process dies (Linux PR_SET_PDEATHSIG).
+
+`{state_dir}/run.json` (a `RunInfo`) says where this run's Redis is and which
+pids it started; the ops commands read it to find Redis when no `--redis` is
+given. One `sluice run` per state dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TextIO
+
+import msgspec
+
+from controlplane import ops
+from controlplane.display import LiveView
+from controlplane.models import Handle, ReplicaRecord, ServiceStatus
+from controlplane.redisserver import EmbeddedRedis
+from controlplane.spec import ServiceSpec
+from controlplane.store import (
+    ServiceExists,
+    ServiceNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
+from proxy.errors import SluiceError
+
+log = logging.getLogger("sluice.run")
+
+_PR_SET_PDEATHSIG = 1
+_POLL = 0.05  # how often a stopping child is checked
+
+
+class RunError(SluiceError):
+    """`sluice run` could not start, or a process it started died under it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything `sluice run` needs; built by the CLI."""
+
+    spec: ServiceSpec
+    name: str
+    state_dir: Path
+    redis_url: str | None = None  # None: start a private redis-server
+    prefix: str = "sluice"
+    host: str = "0.0.0.0"  # the proxy's listen address
+    port: int = 8080  # the proxy's port; 0 picks a free one
+    admin_port: int = 0  # the proxy's admin port; 0 picks a free one
+    drain_seconds: float = 5.0  # the controller's drain delay
+    down_timeout: float = 60.0  # how long shutdown waits for the replicas to be terminated
+    stop_timeout: float = 10.0  # SIGTERM -> SIGKILL, per process
+    startup_timeout: float = 30.0  # for the proxy to listen
+    refresh: float = 0.5  # seconds between status refreshes
+    log_level: str = "INFO"
+
+
+class RunInfo(msgspec.Struct, kw_only=True):
+    """`{state_dir}/run.json`: a running `sluice run`, for the other commands and tests."""
+
+    pid: int
+    service: str
+    redis_url: str
+    prefix: str
+    endpoint: str
+    started_at: float
+    pids: dict[str, int] = {}  # redis, controller, proxy
+
+
+def run_info_path(state_dir: Path) -> Path:
+    return state_dir / "run.json"
+
+
+def read_run_info(state_dir: Path) -> RunInfo | None:
+    """The RunInfo of a `sluice run` alive on `state_dir`, or None."""
+    try:
+        info = msgspec.json.decode(run_info_path(state_dir).read_bytes(), type=RunInfo)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return info if _alive(info.pid) else None
+
+
+class ServiceRun:
+    """One `sluice run`; see the module docstring. `run()` blocks until it is over."""
+
+    def __init__(self, config: RunConfig, *, out: TextIO | None = None) -> None:
+        self._config = config
+        self._out = out if out is not None else sys.stdout
+        self._view = LiveView(self._out, tty=self._out.isatty())
+        self._redis: EmbeddedRedis | None = None
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: list[IO[bytes]] = []
+        self._info: RunInfo | None = None
+        self._handles: dict[int, Handle] = {}  # replica id -> handle, last seen
+        self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()
+        self._upped = False
+
+    # -- the whole run -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start everything, serve until a signal, stop everything. Returns the exit code;
+        raises RunError (and the store's errors) after stopping what it started."""
+        config = self._config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        other = read_run_info(config.state_dir)
+        if other is not None and other.pid != os.getpid():
+            raise RunError(
+                f"another `sluice run` (pid {other.pid}, service {other.service}) uses "
+                f"{config.state_dir}; give this one its own --state-dir"
+            )
+        try:
+            with asyncio.Runner() as runner:
+                return runner.run(self._main())
+        finally:
+            # Normally already done inside the loop; this is the net for an exception
+            # that escaped it. Blocking is fine: nothing else runs any more.
+            for role in ("proxy", "controller"):
+                self._stop_child_sync(role)
+            self._kill_replicas()
+            self._stop_redis()
+            for fh in self._logs:
+                fh.close()
+            with contextlib.suppress(OSError):
+                if self._info is not None:
+                    run_info_path(config.state_dir).unlink()
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_signal)
+        config = self._config
+        url = config.redis_url or self._start_redis()
+        async with Store.from_url(url, prefix=config.prefix) as store:
+            await store.ping()
+            if await store.service(config.name) is not None:
+                raise ServiceExists(
+                    f"service {config.name!r} already exists in {redact_url(url)}; "
+                    "choose another name with -n"
+                )
+            port = config.port or _free_port()
+            admin_port = config.admin_port or _free_port()
+            scheme = "https" if config.spec.service.tls is not None else "http"
+            endpoint = f"{scheme}://{_display_host(config.host)}:{port}"
+            self._info = RunInfo(
+                pid=os.getpid(),
+                service=config.name,
+                redis_url=url,
+                prefix=config.prefix,
+                endpoint=endpoint,
+                started_at=time.time(),
+                pids={} if self._redis is None or self._redis.pid is None
+                else {"redis": self._redis.pid},
+            )  # fmt: skip
+            self._write_info()
+            try:
+                self._spawn_controller(url)
+                self._spawn_proxy(url, port, admin_port)
+                await self._wait_listening(admin_port)
+                if self._stop.is_set():
+                    return 0  # interrupted while starting: nothing registered yet
+                await ops.up(store, config.name, config.spec, endpoint=endpoint)
+                self._upped = True
+                self._view.message(
+                    f"sluice: service {config.name} at {endpoint} "
+                    f"(state in {config.state_dir}; Ctrl-C to stop)"
+                )
+                return await self._watch(store, endpoint)
+            finally:
+                await self._shutdown(store)
+
+    def _on_signal(self) -> None:
+        if self._stop.is_set():
+            self._hurry.set()  # a second Ctrl-C: stop waiting for a graceful shutdown
+        self._stop.set()
+
+    # -- while serving -----------------------------------------------------------------------
+
+    async def _watch(self, store: Store, endpoint: str) -> int:
+        config = self._config
+        announced = False
+        unreachable = False
+        while not self._stop.is_set():
+            self._check_children()
+            try:
+                view = (await ops.status(store, config.name))[0]
+            except ServiceNotFound:
+                self._view.message(f"sluice: service {config.name} was removed; stopping")
+                return 0
+            except StoreUnavailable as exc:
+                if self._redis is not None and not self._redis.running:
+                    raise RunError("the embedded redis-server exited") from exc
+                if not unreachable:
+                    self._view.message(f"sluice: redis unreachable ({exc}); retrying")
+                unreachable = True
+            else:
+                unreachable = False
+                self._remember_handles(await store.replicas(config.name))
+                now = time.time()
+                if view.status == ServiceStatus.SHUTTING_DOWN:
+                    self._view.message(f"sluice: service {config.name} is being taken down")
+                    return 0
+                self._view.update(view, now)
+                if not announced and view.ready > 0:
+                    announced = True
+                    self._view.message(f"sluice: {config.name} is ready at {endpoint}")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(config.refresh):
+                    await self._stop.wait()
+        return 0
+
+    async def _wait_listening(self, admin_port: int) -> None:
+        """Until the proxy's admin port accepts (it binds its client port first), so that a
+        port conflict fails the run before any replica is launched."""
+        deadline = time.monotonic() + self._config.startup_timeout
+        while not self._stop.is_set():
+            self._check_children()
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_connection("127.0.0.1", admin_port)
+                writer.close()
+                await writer.wait_closed()
+                return
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"the proxy did not listen within {self._config.startup_timeout:g}s "
+                    f"(log: {self._log_path('proxy')})"
+                )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_POLL):
+                    await self._stop.wait()
+
+    def _check_children(self) -> None:
+        for role, proc in self._children.items():
+            code = proc.poll()
+            if code is not None:
+                raise RunError(
+                    f"the {role} exited with code {code}: {_last_line(self._log_path(role))} "
+                    f"(log: {self._log_path(role)})"
+                )
+        if self._redis is not None and not self._redis.running:
+            raise RunError("the embedded redis-server exited")
+
+    def _remember_handles(self, replicas: dict[int, ReplicaRecord]) -> None:
+        for replica_id, record in replicas.items():
+            if record.backend == "local" and record.handle:
+                self._handles[replica_id] = record.handle
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def _shutdown(self, store: Store) -> None:
+        config = self._config
+        self._stop.set()
+        self._view.clear()
+        if self._upped:
+            self._view.message(
+                f"sluice: taking {config.name} down (replicas drain for "
+                f"{config.drain_seconds:g}s; Ctrl-C again to stop at once)"
+            )
+            try:
+                await ops.down(store, config.name)
+                await self._wait_removed(store)
+            except ServiceNotFound:
+                pass  # already gone
+            except StoreError as exc:
+                # Stop the processes anyway; leftover replicas are killed below.
+                self._view.message(f"sluice: could not take {config.name} down cleanly: {exc}")
+        for role in ("proxy", "controller"):
+            await self._stop_child(role)
+        if self._kill_replicas():
+            self._view.message("sluice: killed replicas the controller left running")
+        self._stop_redis()
+        self._view.message("sluice: stopped")
+
+    async def _wait_removed(self, store: Store) -> None:
+        """Until the controller has terminated every replica and unregistered the service,
+        it died, `down_timeout` passed, or a second signal came."""
+        deadline = time.monotonic() + self._config.down_timeout
+        while time.monotonic() < deadline and not self._hurry.is_set():
+            controller = self._children.get("controller")
+            if controller is None or controller.poll() is not None:
+                return
+            if await store.service(self._config.name) is None:
+                return
+            self._remember_handles(await store.replicas(self._config.name))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(self._config.refresh, 0.2)):
+                    await self._hurry.wait()
+        if self._hurry.is_set():
+            self._view.message("sluice: stopping at once")
+        else:
+            self._view.message(
+                f"sluice: replicas not terminated within {self._config.down_timeout:g}s; "
+                "stopping them directly"
+            )
+
+    async def _stop_child(self, role: str) -> None:
+        proc = self._children.get(role)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        timeout = 0.5 if self._hurry.is_set() else self._config.stop_timeout
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            await asyncio.to_thread(proc.wait, timeout)
+        if proc.poll() is None:
+            self._view.message(f"sluice: the {role} ignored SIGTERM; killing it")
+            proc.kill()
+            proc.wait()
+
+    def _stop_child_sync(self, role: str) -> None:
+        proc = self._children.get(role)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(self._config.stop_timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s pid %d ignored SIGTERM; killing it", role, proc.pid)
+                proc.kill()
+                proc.wait()
+
+    def _kill_replicas(self) -> bool:
+        """SIGTERM, then SIGKILL, the process group of every local replica still running
+        (the handle's pid and start time must match). True if there was any."""
+        alive = [h for h in self._handles.values() if _replica_running(h)]
+        for handle in alive:
+            _signal_group(handle, signal.SIGTERM)
+        deadline = time.monotonic() + self._config.stop_timeout
+        while any(_replica_running(h) for h in alive) and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        for handle in alive:
+            _signal_group(handle, signal.SIGKILL)
+        self._handles.clear()
+        return bool(alive)
+
+    def _stop_redis(self) -> None:
+        if self._redis is not None:
+            self._redis.stop(timeout=self._config.stop_timeout)
+            self._redis = None
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def _start_redis(self) -> str:
+        self._redis = EmbeddedRedis(self._config.state_dir / "redis")
+        self._redis.start()
+        return self._redis.url
+
+    def _log_path(self, role: str) -> Path:
+        if role == "controller":
+            return self._config.state_dir / "controller.log"
+        return self._config.state_dir / self._config.name / f"{role}.log"
+
+    def _spawn(self, role: str, argv: list[str]) -> None:
+        log_path = self._log_path(role)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = log_path.open("ab")
+        self._logs.append(out)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The children import this package: make it importable without an install too.
+        root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._children[role] = subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a terminal Ctrl-C reaches us only; we stop them in order
+            preexec_fn=_die_with_parent_hook(),
+        )
+        if self._info is not None:
+            self._info.pids[role] = self._children[role].pid
+            self._write_info()
+
+    def _spawn_controller(self, url: str) -> None:
+        config = self._config
+        argv = ["-m", "controlplane.cli", "controller", "--redis", url, "--prefix", config.prefix,
+                "--state-dir", str(config.state_dir),
+                "--drain-seconds", f"{config.drain_seconds:g}",
+                "--log-level", config.log_level]  # fmt: skip
+        if self._redis is not None:
+            # Our private Redis holds only this service: whatever the controller leaves
+            # running when it exits is ours. (A shared Redis may hold other services.)
+            argv.append("--terminate-on-exit")
+        self._spawn("controller", argv)
+
+    def _spawn_proxy(self, url: str, port: int, admin_port: int) -> None:
+        config = self._config
+        service = config.spec.service
+        argv = ["-m", "proxy.cli", "--redis", url, "--redis-prefix", config.prefix,
+                "--service", config.name, "--host", config.host, "--port", str(port),
+                "--admin-port", str(admin_port), "--shutdown-grace", f"{config.stop_timeout / 2:g}",
+                "--stream-idle-timeout", f"{service.load_balancer.stream_timeout_seconds:g}",
+                "--log-level", config.log_level]  # fmt: skip
+        if service.tls is not None:
+            argv += ["--tls-certfile", service.tls.certfile, "--tls-keyfile", service.tls.keyfile]
+        self._spawn("proxy", argv)
+
+    def _write_info(self) -> None:
+        assert self._info is not None
+        path = run_info_path(self._config.state_dir)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self._info))
+        tmp.replace(path)
+
+
+def run_service(config: RunConfig, *, out: TextIO | None = None) -> int:
+    """Run `config`'s service in the foreground; see the module docstring."""
+    return ServiceRun(config, out=out).run()
+
+
+# -- process helpers -------------------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of /proc/{pid}/stat after the command name (state is [0], start time [19])."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _replica_running(handle: Handle) -> bool:
+    """True if the handle's process runs and is the one the backend started."""
+    pid, start_time = handle.get("pid"), handle.get("start_time")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    fields = _stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return not (isinstance(start_time, int) and len(fields) > 19 and int(fields[19]) != start_time)
+
+
+def _signal_group(handle: Handle, sig: int) -> None:
+    pid = handle.get("pid")
+    if isinstance(pid, int) and pid > 0 and _replica_running(handle):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)  # the local backend's replica: pid == its process group
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """A preexec_fn giving the child SIGTERM when this thread dies (Linux only)."""
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return hook
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _display_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 4096))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return "no output"
+    return lines[-1].strip() if lines else "no output"
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password."""
+    scheme, sep, rest = url.partition("://")
+    auth, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = auth.partition(":")[0]
+    return f"{scheme}://{user + ':' if user else ':'}***@{host}"
