@@ -41,7 +41,6 @@ import msgspec
 from controlplane import ops
 from controlplane.controller import ControllerConfig, run_controller
 from controlplane.display import snapshot_text, status_text
-from controlplane.follow import follow_snapshots
 from controlplane.models import ReplicaRecord, UpdateMode
 from controlplane.run import RunConfig, read_run_info, redact_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
@@ -481,11 +480,12 @@ def snapshot(
 
     async def follow() -> None:
         first = True
-        async for snap in follow_snapshots(target.url, name, prefix=target.prefix):
-            if not first and not as_json:
-                click.echo("")
-            first = False
-            show(snap)
+        async with Store.from_url(target.url, prefix=target.prefix) as store:
+            async for snap in store.follow_snapshots(name):
+                if not first and not as_json:
+                    click.echo("")
+                first = False
+                show(snap)
 
     with _errors(target.url), contextlib.suppress(KeyboardInterrupt):
         asyncio.run(follow())

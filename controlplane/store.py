@@ -40,7 +40,7 @@ import logging
 import random
 import time
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -63,7 +63,7 @@ from controlplane.models import (
     decode_nudge,
     encode_nudge,
 )
-from proxy.errors import SluiceError
+from proxy.errors import SluiceError, SnapshotInvalid
 from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
 
 log = logging.getLogger("sluice.store")
@@ -723,6 +723,58 @@ class Store:
         with self._errors():
             raw = await self._redis.get(self.keys.leader)
         return None if raw is None else _text(raw)
+
+    async def follow_snapshots(
+        self, name: str, *, resync_interval: float = 5.0, subscribe_timeout: float = 5.0
+    ) -> AsyncGenerator[ReadySnapshot, None]:
+        """Yield the current snapshot of `name` (if any), then each newer one as committed.
+
+        Reads the way a proxy does: subscribe to the ready channel first, then GET
+        the snapshot key, yield only generations above the last one yielded, and GET
+        again every `resync_interval` (pub/sub is at-most-once). A payload that does
+        not decode is skipped. Runs until the consumer stops iterating; raises
+        StoreUnavailable when Redis cannot be reached or the connection drops.
+        """
+        pubsub = self._redis.pubsub()
+        current = -1
+        loop = asyncio.get_running_loop()
+        try:
+            with self._errors():
+                await pubsub.subscribe(self.keys.ready(name))
+                # GET only once the server has registered the subscription, so that no
+                # commit falls between the two.
+                try:
+                    async with asyncio.timeout(subscribe_timeout):
+                        while True:
+                            message = await pubsub.get_message(timeout=subscribe_timeout)
+                            if message is not None and message["type"] == "subscribe":
+                                break
+                except TimeoutError as exc:
+                    raise StoreUnavailable("redis unavailable: no subscribe confirmation") from exc
+            next_resync = loop.time()
+            while True:
+                payload: bytes | str | None = None
+                with self._errors():
+                    if loop.time() >= next_resync:
+                        payload = await self._redis.get(self.keys.snapshot(name))
+                        next_resync = loop.time() + resync_interval
+                    else:
+                        wait = max(0.0, next_resync - loop.time())
+                        message = await pubsub.get_message(timeout=wait)
+                        if message is not None and message["type"] == "message":
+                            payload = message["data"]
+                if payload is None:
+                    continue
+                try:
+                    snapshot = decode_snapshot(payload)
+                except SnapshotInvalid:
+                    continue  # a bad payload changes nothing; the next one may be fine
+                if snapshot.generation > current:
+                    current = snapshot.generation
+                    yield snapshot
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def subscribe_control(self) -> ControlSubscription:
         """Subscribe to the control channel (nudges); the caller closes the subscription."""

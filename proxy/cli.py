@@ -116,7 +116,8 @@ def supervise_workers(n: int, argv: list[str]) -> int:
               help="Redis URL (redis:// or rediss://, password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
 @click.option("--service", help="Service name whose ready set to follow (with --redis).")
-@click.option("--redis-prefix", default="sluice", show_default=True, help="Redis key prefix.")
+@click.option("--redis-prefix", "--prefix", "redis_prefix", default="sluice", show_default=True,
+              help="Redis key prefix.")
 @click.option("--controller-addr", help="Drop-in mode: URL of an unmodified Sky Serve "
               "controller to sync the ready set from.")
 @click.option("--sync-interval", type=float, default=5.0, show_default=True,

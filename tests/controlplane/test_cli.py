@@ -22,7 +22,6 @@ from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
 from controlplane.display import duration
-from controlplane.follow import follow_snapshots
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.snapshot import ReadySnapshot
@@ -378,7 +377,7 @@ async def test_follow_snapshots_yields_each_new_generation(
 
     await store.register_service(ServiceRecord(name="f"), b"{}")
     seen: list[int] = []
-    stream = follow_snapshots(redis_url, "f", prefix=redis_prefix, resync_interval=30)
+    stream = store.follow_snapshots("f", resync_interval=30)
     async with asyncio.timeout(10):
         first = await anext(stream)
         seen.append(first.generation)
@@ -392,10 +391,11 @@ async def test_follow_snapshots_yields_each_new_generation(
 
 
 async def test_follow_snapshots_unreachable() -> None:
-    stream = follow_snapshots(dead_redis_url(), "x")
-    with pytest.raises(StoreUnavailable):
-        async with asyncio.timeout(10):
-            await anext(stream)
+    async with Store.from_url(dead_redis_url()) as dead:
+        stream = dead.follow_snapshots("x")
+        with pytest.raises(StoreUnavailable):
+            async with asyncio.timeout(10):
+                await anext(stream)
 
 
 # -- real processes --------------------------------------------------------------------------
