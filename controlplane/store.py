@@ -25,8 +25,8 @@ writers never interleave and a reader (`read_state`, one MULTI/EXEC) never sees
 records and snapshot disagree.
 
 The generation lives in Redis: run Redis with persistence (AOF) in production.
-A Redis that restarts empty restarts generations at 1, and proxies holding a
-higher one ignore the new snapshots until they restart.
+A Redis that restarts empty restarts generations at 1; proxies notice (their
+GET answers a generation below the one they hold) and follow it.
 
 Ops scripts: `redis-cli GET sluice:svc:NAME:snapshot` prints the ready set;
 `redis-cli PUBLISH sluice:control NAME` asks the controller to reconcile NAME.

@@ -111,9 +111,14 @@ class ReadySet:
     def generation(self) -> int:
         return -1 if self.snapshot is None else self.snapshot.generation
 
-    def apply(self, snapshot: ReadySnapshot) -> bool:
-        """Install `snapshot` if it is newer than the one in force; True if applied."""
-        if self.snapshot is not None and snapshot.generation <= self.snapshot.generation:
+    def apply(self, snapshot: ReadySnapshot, *, reset: bool = False) -> bool:
+        """Install `snapshot` if it is newer than the one in force; True if applied.
+
+        `reset=True` installs it whatever its generation: the source knows the
+        generations it follows restarted (Redis lost its data).
+        """
+        current = self.snapshot
+        if current is not None and snapshot.generation <= current.generation and not reset:
             return False
         now = self._clock()
         # Build every new Replica before touching any state: a URL that fails here

@@ -10,6 +10,9 @@ controller committed:
   are no-ops);
 - GET again on every (re)connect and every `resync_interval` seconds: pub/sub is
   at-most-once, and a message lost while reconnecting is recovered this way;
+- a GET that answers an *older* generation than the one in force means Redis
+  lost its data (restarted empty or from an older dump): that snapshot is
+  applied, so generations restarting at 1 are followed instead of ignored;
 - a payload that fails validation is rejected: the set in force stays, the
   payload is logged and counted once (`stats.snapshots_rejected`);
 - Redis unreachable: keep the last snapshot, reconnect with capped, jittered
@@ -274,9 +277,23 @@ class RedisSource:
             snapshot = decode_snapshot(raw)
             if snapshot.service != self._service:
                 raise SnapshotInvalid(f"snapshot of service {snapshot.service!r}")
+            reset = False
             if snapshot.generation <= ready_set.generation:
-                return  # stale or duplicate
-            applied = ready_set.apply(snapshot)
+                if via_publish or snapshot.generation == ready_set.generation:
+                    return  # stale or duplicate
+                # The stored key went backwards. GETs and messages are handled in this one
+                # task, so a commit we already applied was stored before this GET was sent:
+                # only a Redis that lost its data (restarted empty, or from an older
+                # snapshot) answers an older generation. Follow it, or we never would.
+                log.warning(
+                    "service %s: stored generation %d is below ours (%d): Redis lost state; "
+                    "following it",
+                    self._service,
+                    snapshot.generation,
+                    ready_set.generation,
+                )
+                reset = True
+            applied = ready_set.apply(snapshot, reset=reset)
         except (SnapshotInvalid, ConfigError) as exc:
             self._reject(raw, exc)
             return

@@ -36,8 +36,8 @@ class RecordingReadySet(ReadySet):
         super().__init__()
         self.applied: list[ReadySnapshot] = []
 
-    def apply(self, snapshot: ReadySnapshot) -> bool:
-        applied = super().apply(snapshot)
+    def apply(self, snapshot: ReadySnapshot, *, reset: bool = False) -> bool:
+        applied = super().apply(snapshot, reset=reset)
         if applied:
             self.applied.append(snapshot)
         return applied
@@ -218,6 +218,25 @@ async def test_a_missed_publish_is_recovered_by_the_periodic_get(
     await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(50, 1, 2)))
     await eventually(lambda: proxy.generation == 50, what="re-GET")
     assert len(proxy.ready_set.replicas) == 2
+
+
+async def test_generations_restarting_after_redis_lost_its_data_are_followed(
+    store: Store, start_proxy: StartProxy, redis_client: aioredis.Redis
+) -> None:
+    await register(store)
+    proxy = await start_proxy(resync_interval=0.05)
+    await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(50, 1, 2)))
+    await eventually(lambda: proxy.generation == 50, what="generation 50")
+    # Redis comes back empty and the controller starts over: a lower generation is stored.
+    await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(2, 3)))
+    await eventually(lambda: proxy.generation == 2, what="the restarted generations")
+    assert len(proxy.ready_set.replicas) == 1
+    # A stale *published* generation is still ignored; commits go on from there.
+    await redis_client.publish(store.keys.ready("svc"), encode_snapshot(snapshot(1, 1, 2)))
+    await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(3, 4, 5)))
+    await redis_client.publish(store.keys.ready("svc"), encode_snapshot(snapshot(3, 4, 5)))
+    await eventually(lambda: proxy.generation == 3, what="generation 3")
+    assert [a.generation for a in proxy.ready_set.applied][-3:] == [50, 2, 3]
 
 
 async def test_the_set_survives_a_redis_sigkill_and_catches_up(
