@@ -102,8 +102,22 @@ def _level(samples: list[int], *, low: bool) -> int:
 class Autoscaler:
     """Windowed-hysteresis autoscaler for one service; drive `decide()` with a clock."""
 
-    def __init__(self, policy: ReplicaPolicy, *, now: float, current: int | None = None) -> None:
+    def __init__(
+        self,
+        policy: ReplicaPolicy,
+        *,
+        now: float,
+        current: int | None = None,
+        interval: float = DECISION_INTERVAL_SECONDS,
+        zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS,
+        qps_window: int = QPS_WINDOW_SECONDS,
+    ) -> None:
+        """`interval` / `zero_interval`: seconds between decisions (while the target is
+        0); `qps_window`: the seconds QPS is averaged over (Sky Serve's 60 s)."""
         self._policy = policy
+        self._interval = interval
+        self._zero_interval = zero_interval
+        self._qps_window = qps_window
         self._since = now  # observing continuously since
         self._history: deque[tuple[float, int]] = deque()
         self.current = policy.min_replicas if current is None else current
@@ -120,9 +134,7 @@ class Autoscaler:
 
     @property
     def interval(self) -> float:
-        return (
-            NO_REPLICA_DECISION_INTERVAL_SECONDS if self.current == 0 else DECISION_INTERVAL_SECONDS
-        )
+        return self._zero_interval if self.current == 0 else self._interval
 
     def _clip(self, n: int) -> int:
         p = self._policy
@@ -142,7 +154,7 @@ class Autoscaler:
         if p.target_ongoing_requests is not None:
             load = float(inflight or 0.0)
             return self._clip(math.ceil(load / p.target_ongoing_requests)), load
-        demand = qps(rps or {}, now)
+        demand = qps(rps or {}, now, self._qps_window)
         match p.target_qps_per_replica:
             case dict():
                 fastest = fastest_qps or max(p.target_qps_per_replica.values())

@@ -6,6 +6,7 @@
     sluice down NAME
     sluice status [NAME] [--json] [--endpoint]
     sluice replica add|remove NAME URL
+    sluice replica preempt NAME ID
     sluice snapshot NAME [--json] [--watch]
     sluice logs NAME --controller|--proxy|--replica ID [--follow]
     sluice controller                         long-running: the controller
@@ -432,6 +433,27 @@ def replica_remove(
     target = _target(redis_url, prefix, state_dir)
     _with_store(target, lambda store: ops.remove_replica(store, name, url))
     click.echo(f"{name}: replica at {url.rstrip('/')} removed from the ready set")
+
+
+@replica.command("preempt")
+@click.argument("name")
+@click.argument("replica_id", metavar="ID", type=click.IntRange(1))
+@_redis_options()
+def replica_preempt(
+    name: str, replica_id: int, redis_url: str | None, prefix: str, state_dir: Path
+) -> None:
+    """Simulate the preemption of replica ID of service NAME (testing spot fallback).
+
+    It leaves the ready set at once (PREEMPTED); the controller terminates it and
+    launches a replacement.
+
+    \b
+    Example:
+      sluice replica preempt llm 3
+    """
+    target = _target(redis_url, prefix, state_dir)
+    _with_store(target, lambda store: ops.preempt_replica(store, name, replica_id))
+    click.echo(f"{name}: replica {replica_id} preempted; the controller replaces it")
 
 
 @cli.command()

@@ -19,15 +19,21 @@ and written in ONE `Store.commit_with` (nothing written when nothing changed):
    every external replica, become the latest version. In the same commit the
    active versions are recomputed, so the ready set never passes through a
    state where nobody serves;
-5. scale and roll out: launch latest-version replicas up to
-   `target_replicas(...)`; retire old-version replicas as new ones become READY
+5. scale and roll out: the service's autoscaler (`controlplane.scaling`) is
+   brought up to date (a decision when one is due, a reset after an update, a
+   scale from zero on a proxy's "demand" nudge); launch latest-version replicas
+   up to its target (split into spot and on-demand ones by
+   `autoscaler.fallback_plan` when the spec uses spot); retire old-version
+   replicas as new ones become READY
    (rolling: one old per new READY one; blue_green: all at once when the new
    version has min_replicas READY); retire surplus ones in scale-down order
-   (earliest state, older version, larger id first). Launching stops for a
+   (earliest state, older version, larger id first; instance-aware: lowest
+   capacity before larger id). Launching stops for a
    version once one of its replicas failed before it was ever ready;
 6. drain and clean up: a retired replica is SHUTTING_DOWN (out of the ready
    set) for `drain_seconds` (no drain if it never was READY), then terminated
-   and its record deleted; failed replicas are terminated at once. A service
+   and its record deleted; failed and PREEMPTED replicas are terminated at once
+   (and replaced by step 5, since they no longer count). A service
    marked SHUTTING_DOWN by `ops.down` is unregistered when no replica is left;
 7. the service status (READY, REPLICA_INIT, NO_REPLICA, FAILED).
 
@@ -53,6 +59,12 @@ from typing import Protocol
 
 import msgspec
 
+from controlplane.autoscaler import (
+    DECISION_INTERVAL_SECONDS,
+    NO_REPLICA_DECISION_INTERVAL_SECONDS,
+    QPS_WINDOW_SECONDS,
+    fallback_plan,
+)
 from controlplane.backends.base import Launched, LaunchFailed, ReplicaBackend
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
@@ -71,8 +83,8 @@ from controlplane.rollout import (
     gives_up_version,
     plan_rollout,
     service_status,
-    target_replicas,
 )
+from controlplane.scaling import Scaling
 from controlplane.spec import ReadinessProbe, ServiceSpec, is_count_only_change
 from controlplane.store import Mutation, ServiceNotFound, Store, StoreError, StoreUnavailable
 
@@ -96,6 +108,9 @@ class ControllerConfig:
     `terminate_on_close`: stop every replica when the controller closes
     (`sluice run`); otherwise replicas outlive it and the next one adopts them.
     `backend`: the backend new replicas are launched with.
+    `autoscaler_interval` / `autoscaler_zero_interval`: seconds between autoscaling
+    decisions (while the target is 0); `qps_window_seconds`: what QPS is averaged
+    over. Sky Serve's values by default; tests shorten them.
     """
 
     redis_url: str
@@ -110,6 +125,9 @@ class ControllerConfig:
     base_dir: Path | None = None
     terminate_on_close: bool = False
     backend: str = "local"
+    autoscaler_interval: float = DECISION_INTERVAL_SECONDS
+    autoscaler_zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS
+    qps_window_seconds: int = QPS_WINDOW_SECONDS
 
 
 class ReadinessProber(Protocol):
@@ -226,8 +244,10 @@ class Controller:
         clock: Callable[[], float] = time.time,
         backends: Mapping[str, ReplicaBackend] | None = None,
         prober: ReadinessProber | None = None,
-        target: TargetFn = target_replicas,
+        target: TargetFn | None = None,
     ) -> None:
+        """`target`: replicas of the latest version wanted; default: the autoscaler's
+        (`controlplane.scaling`), the fixed count for services without autoscaling."""
         self.config = config
         self._store = store
         self._clock = clock
@@ -237,7 +257,13 @@ class Controller:
         self._prober: ReadinessProber = (
             prober if prober is not None else Prober(clock=clock, on_result=self.wake)
         )
-        self._target = target
+        self._scaling = Scaling(
+            store,
+            interval=config.autoscaler_interval,
+            zero_interval=config.autoscaler_zero_interval,
+            qps_window=config.qps_window_seconds,
+        )
+        self._target: TargetFn = target if target is not None else self._scaling.target
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._specs: dict[tuple[str, float, int], ServiceSpec] = {}
@@ -300,6 +326,17 @@ class Controller:
     def wake(self) -> None:
         """Make `run()` step now (probe results, finished tasks, nudges)."""
         self._wake.set()
+
+    def demand(self, name: str) -> None:
+        """A proxy holds requests of `name` with no replica: scale it from zero at once
+        (what a "demand" nudge does)."""
+        self._scaling.note_demand(name)
+        self.wake()
+
+    @property
+    def scaling(self) -> Scaling:
+        """The per-service autoscalers (read-only use: tests, diagnostics)."""
+        return self._scaling
 
     async def run(self) -> None:
         """Step until cancelled: on every nudge and event, at least every reconcile_interval."""
@@ -409,6 +446,8 @@ class Controller:
                 if replica.status in LIVE:
                     self._retire(plan, replica, "down")
         else:
+            managed = [r for r in plan.table.values() if self._backend(r).can_launch]
+            self._due(await self._scaling.observe(record, latest, managed, now))
             self._scale(plan, latest)
         self._cleanup(plan)
         self._service_status(plan)
@@ -567,7 +606,21 @@ class Controller:
         )
         managed = [r for r in plan.table.values() if self._backend(r).can_launch]
         target = self._target(record, latest, plan.table, plan.now)
-        rollout = plan_rollout(record, managed, target, can_launch=can_launch)
+        policy = latest.service.scaling
+        ready_spot = sum(
+            1
+            for r in managed
+            if r.spot and r.version == record.version and r.status is ReplicaStatus.READY
+        )
+        split = fallback_plan(policy, target, ready_spot, use_spot=latest.resources.use_spot)
+        rollout = plan_rollout(
+            record,
+            managed,
+            target,
+            can_launch=can_launch,
+            split=split,
+            by_capacity=isinstance(policy.target_qps_per_replica, dict),
+        )
         if rollout.launch:
             assert backend is not None
             accelerator = accelerator_of(latest)
@@ -576,12 +629,14 @@ class Controller:
                 status=ReplicaStatus.PROVISIONING,
                 version=record.version,
                 backend=backend.name,
-                spot=latest.resources.use_spot,
+                spot=True,
                 accelerator=accelerator,
-                target_qps=latest.service.scaling.target_qps_for(accelerator),
+                target_qps=policy.target_qps_for(accelerator),
                 status_since=plan.now,
             )
-            plan.launches.extend([template] * rollout.launch)
+            on_demand = msgspec.structs.replace(template, spot=False)
+            plan.launches.extend([template] * rollout.launch_spot)
+            plan.launches.extend([on_demand] * (rollout.launch - rollout.launch_spot))
         for replica, reason in rollout.retire:
             self._retire(plan, replica, reason)
 
@@ -735,6 +790,7 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self._known.discard(name)
+        self._scaling.forget(name)
         self._probe_results.pop(name, None)
         self._prober.forget_service(name)
         for key in [k for k in self._specs if k[0] == name]:
@@ -781,7 +837,10 @@ class Controller:
                     backoff = 0.1
                     self.wake()  # anything published while unsubscribed is lost: look now
                     while True:
-                        if await subscription.get(timeout=5.0) is not None:
+                        nudge = await subscription.get(timeout=5.0)
+                        if nudge is not None and nudge.reason == "demand":
+                            self.demand(nudge.service)
+                        elif nudge is not None:
                             self.wake()
                 finally:
                     await subscription.aclose()

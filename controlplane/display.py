@@ -89,12 +89,30 @@ def replicas_table(views: Sequence[ServiceView], now: float) -> str:
     return table(["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
 
 
+def scaling_line(view: ServiceView) -> str:
+    """`Autoscaling from 1 to 4 replicas (target QPS per replica: 2.0); target 2 replicas
+    (upscale, QPS 5.1)`: the policy, the current target and why."""
+    line = view.autoscaling or ""
+    if view.target is not None:
+        line += f"; target {view.target} replica{'s' if view.target != 1 else ''}"
+    decision = view.autoscaler
+    if decision is not None:
+        if decision.qps is not None:
+            line += f" ({decision.reason}, QPS {decision.qps:.2f})"
+        elif decision.inflight is not None:
+            line += f" ({decision.reason}, in flight {decision.inflight:g})"
+        else:
+            line += f" ({decision.reason})"
+    return line
+
+
 def status_text(views: Sequence[ServiceView], now: float) -> str:
     """What `sluice status` prints: the services, why any stopped launching, the replicas."""
     if not views:
         return "No services."
     parts = ["Services", services_table(views, now)]
-    notes = [f"{v.name}: {v.launch_blocked}" for v in views if v.launch_blocked]
+    notes = [f"{v.name}: {scaling_line(v)}" for v in views if v.autoscaling]
+    notes += [f"{v.name}: {v.launch_blocked}" for v in views if v.launch_blocked]
     if notes:
         parts += ["", *notes]
     parts += ["", "Service Replicas"]

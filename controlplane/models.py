@@ -142,6 +142,35 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     fields: dict[str, str] = {}
 
 
+class InflightEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One proxy's in-flight counts, a field of the `{prefix}:svc:{name}:inflight` hash
+    (written by the proxy every second; `at` is its wall clock at the write)."""
+
+    at: float = 0.0
+    total: int = 0
+    replicas: dict[str, int] = {}  # replica URL -> requests in flight there
+
+
+class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The controller's last autoscaling decision for a service, for `sluice status`.
+
+    Stored as JSON at `{prefix}:svc:{name}:autoscaler` (overwritten at every decision,
+    deleted with the service). `qps` is set when the policy scales on request rate,
+    `inflight` when it scales on concurrency (`target_ongoing_requests`); `raw`,
+    `window_min`, `window_max`, `reason` are `autoscaler.Decision`'s.
+    """
+
+    at: float
+    policy: str  # `Autoscaler.describe()`
+    target: int  # replicas wanted (num_overprovision included)
+    raw: int
+    window_min: int
+    window_max: int
+    reason: str
+    qps: float | None = None
+    inflight: float | None = None
+
+
 class Nudge(msgspec.Struct, frozen=True, kw_only=True):
     """A message on `{prefix}:control`: reconcile `service` now.
 

@@ -1,4 +1,5 @@
-"""What the ops commands do: `up`, `update`, `down`, `replica add|remove`, `status`.
+"""What the ops commands do: `up`, `update`, `down`, `replica add|remove|preempt`,
+`status`.
 
 They talk to Redis only (through `Store`) and nudge the controller, which does
 the work: launching, probing, draining, terminating. Every write is a
@@ -10,7 +11,8 @@ Errors (besides the store's ServiceNotFound / ServiceExists / StoreUnavailable):
     OpsError
     ├── ServiceShuttingDown   the service is being taken down; it takes no changes
     ├── ReplicaExists         `add_replica` of a URL the service already routes to
-    └── ReplicaNotFound       `remove_replica` of a URL it has no external replica for
+    └── ReplicaNotFound       `remove_replica` of a URL it has no external replica for,
+                              `preempt_replica` of an id it has no live replica for
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from collections.abc import Callable
 
 import msgspec
 
+from controlplane.autoscaler import Autoscaler
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
+    AutoscalerStatus,
     ReplicaRecord,
     ReplicaStatus,
     ServiceRecord,
@@ -92,6 +96,12 @@ class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
     replicas: list[ReplicaView]
     last_failure: str | None = None
     launch_blocked: str | None = None
+    # The replica policy in words (`Autoscaler.describe()`), the replicas the
+    # controller wants of the latest version, and its last autoscaling decision
+    # (None until it made one: fixed services, or no controller yet).
+    autoscaling: str | None = None
+    target: int | None = None
+    autoscaler: AutoscalerStatus | None = None
 
 
 async def up(
@@ -259,6 +269,31 @@ async def remove_replica(store: Store, name: str, url: str) -> None:
     await store.nudge(name)
 
 
+async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
+    """Simulate the preemption of replica `replica_id` of service `name` (spot testing).
+
+    The replica becomes PREEMPTED in one commit, so it leaves the ready set at
+    once; the controller terminates it and launches a replacement (and, with
+    dynamic_ondemand_fallback, an on-demand replica until a spot one is READY
+    again). Raises ServiceNotFound, ReplicaNotFound (no such replica, or it is
+    already failed, preempted or shutting down).
+    """
+
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+        replica = replicas.get(replica_id)
+        if replica is None or replica.status in _GONE:
+            raise ReplicaNotFound(f"service {name!r} has no live replica {replica_id}")
+        # No timestamp: the controller stamps status_since with its own clock.
+        preempted = msgspec.structs.replace(
+            replica, status=ReplicaStatus.PREEMPTED, status_since=None
+        )
+        return Mutation(replica_updates=(preempted,))
+
+    await store.commit_with(name, plan)
+    await store.append_event(name, "preempt", {"replica": replica_id})
+    await store.nudge(name)
+
+
 async def status(store: Store, name: str | None = None) -> list[ServiceView]:
     """Views of service `name`, or of every service (sorted by name) when None.
 
@@ -344,6 +379,16 @@ async def _view(store: Store, name: str) -> ServiceView | None:
         )
         if last_failure:
             launch_blocked += f" ({last_failure})"
+    autoscaling = None
+    target = None
+    spec_raw = await store.spec(name, record.version)
+    if spec_raw is not None:
+        policy = ServiceSpec.from_json(spec_raw).service.scaling
+        autoscaling = Autoscaler(policy, now=0.0).describe()
+        target = policy.min_replicas
+    decision = await store.read_autoscaler(name)
+    if decision is not None:
+        target = decision.target
     return ServiceView(
         name=record.name,
         status=record.status.value,
@@ -373,4 +418,7 @@ async def _view(store: Store, name: str) -> ServiceView | None:
         ],
         last_failure=last_failure,
         launch_blocked=launch_blocked,
+        autoscaling=autoscaling,
+        target=target,
+        autoscaler=decision,
     )

@@ -13,7 +13,9 @@ the controller applies what they decide. Sky Serve's semantics:
   blue_green: all together, once the new version has its min_replicas READY;
 - surplus replicas of the latest version leave in scale-down order: earliest
   state first (PENDING, PROVISIONING, STARTING, NOT_READY, READY), older
-  version first, larger id first.
+  version first, (instance-aware) lowest target QPS first, larger id first;
+- with spot replicas, spot and on-demand ones are counted apart: the
+  controller passes the (spot, on-demand) split of `autoscaler.fallback_plan`.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def target_replicas(
 ) -> int:
     """How many replicas of the latest version the service should run.
 
-    `replicas: N` or `replica_policy.min_replicas` for now; the autoscaler plugs
-    in here (`Controller(target=...)`).
+    `replicas: N` or `replica_policy.min_replicas`: the fixed count. The
+    controller's default target (`controlplane.scaling.Scaling.target`) uses it
+    for services without an autoscaling target.
     """
     return spec.min_replicas
 
@@ -90,9 +93,17 @@ def given_up_by(replicas: Iterable[ReplicaRecord], version: int) -> ReplicaRecor
     return next((r for r in replicas if gives_up_version(r, version)), None)
 
 
-def scale_down_order(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:
-    """Earliest state first, then older version, then larger id."""
-    return sorted(replicas, key=lambda r: (_SCALE_DOWN_RANK.get(r.status, 0), r.version, -r.id))
+def scale_down_order(
+    replicas: Iterable[ReplicaRecord], *, by_capacity: bool = False
+) -> list[ReplicaRecord]:
+    """Earliest state first, then older version, then (instance-aware, `by_capacity`)
+    lower target QPS, then larger id."""
+
+    def key(r: ReplicaRecord) -> tuple[int, int, float, int]:
+        capacity = (r.target_qps or 0.0) if by_capacity else 0.0
+        return (_SCALE_DOWN_RANK.get(r.status, 0), r.version, capacity, -r.id)
+
+    return sorted(replicas, key=key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +112,7 @@ class Rollout:
 
     launch: int  # new replicas of the latest version
     retire: tuple[tuple[ReplicaRecord, str], ...]  # (replica, reason: update | scale_down)
+    launch_spot: int = 0  # how many of `launch` run on spot instances
 
 
 def plan_rollout(
@@ -109,16 +121,26 @@ def plan_rollout(
     target: int,
     *,
     can_launch: bool,
+    split: tuple[int, int] | None = None,
+    by_capacity: bool = False,
 ) -> Rollout:
     """Launches and retirements for `managed` (the LIVE replicas the controller runs).
 
     `can_launch`: the latest version has a command to run and is not given up.
+    `split`: (spot, on-demand) replicas of the latest version to run
+    (`autoscaler.fallback_plan`); None: `target` on-demand ones. Each kind is
+    launched up to, and retired down to, its own count. `by_capacity`:
+    instance-aware, surplus replicas leave lowest target QPS first.
     """
     version = record.version
     live = [r for r in managed if r.status in LIVE]
     new = [r for r in live if r.version == version]
     old = [r for r in live if r.version < version]
-    launch = max(0, target - len(new)) if can_launch else 0
+    want_spot, want_od = split if split is not None else (0, target)
+    new_spot = [r for r in new if r.spot]
+    new_od = [r for r in new if not r.spot]
+    launch_spot = max(0, want_spot - len(new_spot)) if can_launch else 0
+    launch = launch_spot + (max(0, want_od - len(new_od)) if can_launch else 0)
     ready_new = sum(1 for r in new if r.status is ReplicaStatus.READY)
     match record.update_mode:
         case UpdateMode.BLUE_GREEN:
@@ -127,8 +149,10 @@ def plan_rollout(
         case UpdateMode.ROLLING:
             keep_old = max(0, target - ready_new)
     retire = [(r, "update") for r in scale_down_order(old)[: max(0, len(old) - keep_old)]]
-    retire += [(r, "scale_down") for r in scale_down_order(new)[: max(0, len(new) - target)]]
-    return Rollout(launch=launch, retire=tuple(retire))
+    for kind, want in ((new_spot, want_spot), (new_od, want_od)):
+        surplus = scale_down_order(kind, by_capacity=by_capacity)[: max(0, len(kind) - want)]
+        retire += [(r, "scale_down") for r in surplus]
+    return Rollout(launch=launch, retire=tuple(retire), launch_spot=launch_spot)
 
 
 def service_status(

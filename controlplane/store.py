@@ -11,7 +11,8 @@ Keys (prefix configurable, default `sluice`; `Keys` names each one):
     {p}:svc:{name}:gen            string   generation counter (INCR); survives unregister
     {p}:svc:{name}:ready          channel  every new ReadySnapshot
     {p}:svc:{name}:rps            hash     unix second -> request count (proxies HINCRBY)
-    {p}:svc:{name}:inflight       hash     proxy id -> in-flight counts (proxies write)
+    {p}:svc:{name}:inflight       hash     proxy id -> InflightEntry JSON (proxies write)
+    {p}:svc:{name}:autoscaler     string   last AutoscalerStatus (JSON; controller writes)
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
     {p}:leader                    string   controller leader lease (with TTL)
@@ -53,7 +54,9 @@ from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from controlplane.models import (
+    AutoscalerStatus,
     Event,
+    InflightEntry,
     Nudge,
     ReplicaRecord,
     ServiceRecord,
@@ -161,6 +164,10 @@ class Keys:
         """Hash proxy id -> in-flight counts."""
         return f"{self.prefix}:svc:{name}:inflight"
 
+    def autoscaler(self, name: str) -> str:
+        """String holding the controller's last AutoscalerStatus JSON."""
+        return f"{self.prefix}:svc:{name}:autoscaler"
+
     def events(self, name: str) -> str:
         """Stream of audit events."""
         return f"{self.prefix}:svc:{name}:events"
@@ -183,6 +190,8 @@ _SERVICE_FIELDS: dict[str, msgspec.json.Decoder[Any] | None] = {
 }
 _ENCODER = msgspec.json.Encoder()
 _REPLICA_DECODER = msgspec.json.Decoder(ReplicaRecord)
+_INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
+_AUTOSCALER_DECODER = msgspec.json.Decoder(AutoscalerStatus)
 
 
 def encode_service_record(record: ServiceRecord) -> dict[str, bytes]:
@@ -562,6 +571,7 @@ class Store:
                     k.replicas(name),
                     k.rps(name),
                     k.inflight(name),
+                    k.autoscaler(name),
                     k.events(name),
                     *(k.spec(name, v) for v in versions),
                 )
@@ -698,6 +708,35 @@ class Store:
                 return 0
             deleted: int = await self._redis.hdel(key, *old)
         return deleted
+
+    async def read_inflight(self, name: str) -> dict[str, InflightEntry]:
+        """Every proxy's in-flight counts (proxy id -> entry); stale ones included, the
+        caller judges freshness by `at`. An entry that fails to decode is skipped."""
+        with self._errors():
+            raw = await self._redis.hgetall(self.keys.inflight(name))
+        entries = {}
+        for proxy_id, value in raw.items():
+            try:
+                entries[_text(proxy_id)] = _INFLIGHT_DECODER.decode(value)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                log.warning("service %s: ignoring an invalid in-flight entry", name)
+        return entries
+
+    async def write_autoscaler(self, name: str, status: AutoscalerStatus) -> None:
+        """Record the controller's last autoscaling decision (for `sluice status`)."""
+        with self._errors():
+            await self._redis.set(self.keys.autoscaler(name), _ENCODER.encode(status))
+
+    async def read_autoscaler(self, name: str) -> AutoscalerStatus | None:
+        """The controller's last autoscaling decision, or None (none yet, or unreadable)."""
+        with self._errors():
+            raw = await self._redis.get(self.keys.autoscaler(name))
+        if raw is None:
+            return None
+        try:
+            return _AUTOSCALER_DECODER.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
 
     async def acquire_lease(self, holder: str, ttl: float) -> bool:
         """Take the controller leader lease for `ttl` seconds if free, or extend it if

@@ -1,0 +1,208 @@
+"""The controller's autoscaling state: one `Autoscaler` per service, fed through the
+store with the proxies' per-second request counts or in-flight totals.
+
+`Scaling.observe()` runs once per service per controller step, before the plan
+is made (it is the async part: it reads Redis). It creates the service's
+Autoscaler from the latest spec's replica policy the first time it sees the
+service, `reset`s it whenever the service record's version changes (an
+update), calls `demand()` when a proxy signalled that it holds requests with
+no replica (a "demand" nudge, `note_demand`), and otherwise decides every
+`autoscaler.interval` seconds. Each decision is written to the store
+(`{prefix}:svc:{name}:autoscaler`, an `AutoscalerStatus`) for `sluice status`.
+
+`Scaling.target()` is the controller's `TargetFn` (the `rollout.target_replicas`
+seam): the autoscaler's target for autoscaled services, the fixed count for the
+others. The decisions live in this process only: a controller that takes over
+starts from the number of replicas it finds running, not from zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from controlplane.autoscaler import (
+    DECISION_INTERVAL_SECONDS,
+    NO_REPLICA_DECISION_INTERVAL_SECONDS,
+    QPS_WINDOW_SECONDS,
+    Autoscaler,
+    Decision,
+)
+from controlplane.models import AutoscalerStatus, ReplicaRecord, ServiceRecord
+from controlplane.rollout import LIVE, target_replicas
+from controlplane.spec import ReplicaPolicy, ServiceSpec
+from controlplane.store import Store
+
+#: An in-flight entry older than this (proxy gone or stuck) is not counted.
+INFLIGHT_FRESH_SECONDS = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Signals:
+    rps: dict[int, int] | None
+    inflight: float | None
+
+
+@dataclass
+class _Service:
+    autoscaler: Autoscaler
+    version: tuple[float, int]  # (created_at, version) of the policy it follows
+    due: float  # the next decision
+
+
+class Scaling:
+    """Per-service autoscalers for one controller; see the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        interval: float = DECISION_INTERVAL_SECONDS,
+        zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS,
+        qps_window: int = QPS_WINDOW_SECONDS,
+    ) -> None:
+        self._store = store
+        self._interval = interval
+        self._zero_interval = zero_interval
+        self._qps_window = qps_window
+        self._services: dict[str, _Service] = {}
+        self._demand: set[str] = set()
+
+    def note_demand(self, name: str) -> None:
+        """A proxy holds requests of `name` with no replica: scale it from zero next step."""
+        self._demand.add(name)
+
+    def forget(self, name: str) -> None:
+        self._services.pop(name, None)
+        self._demand.discard(name)
+
+    def autoscaler(self, name: str) -> Autoscaler | None:
+        service = self._services.get(name)
+        return service.autoscaler if service is not None else None
+
+    async def observe(
+        self,
+        record: ServiceRecord,
+        spec: ServiceSpec,
+        managed: Sequence[ReplicaRecord],
+        now: float,
+    ) -> float:
+        """Bring the service's autoscaler up to date; returns when it next wants a step.
+
+        `managed`: the replicas the controller runs (external ones excluded).
+        """
+        name = record.name
+        policy = spec.service.scaling
+        version = (record.created_at, record.version)
+        service = self._services.get(name)
+        demand = name in self._demand
+        self._demand.discard(name)
+        decision: Decision | None = None
+        if service is None:
+            autoscaler = Autoscaler(
+                policy,
+                now=now,
+                current=_adopted(policy, record, managed),
+                interval=self._interval,
+                zero_interval=self._zero_interval,
+                qps_window=self._qps_window,
+            )
+            service = self._services[name] = _Service(autoscaler, version, due=now)
+        elif service.version != version:
+            signals = await self._signals(name, policy, now)
+            decision = service.autoscaler.reset(
+                policy, now, rps=signals.rps, inflight=signals.inflight
+            )
+            service.version = version
+            service.due = now + service.autoscaler.interval
+        autoscaler = service.autoscaler
+        if demand and autoscaler.autoscaling and autoscaler.current == 0:
+            decision = autoscaler.demand(now)
+            service.due = now + autoscaler.interval
+        if now >= service.due:
+            signals = await self._signals(name, policy, now)
+            replica_qps, fastest = _capacity(policy, record, managed)
+            decision = autoscaler.decide(
+                now,
+                rps=signals.rps,
+                inflight=signals.inflight,
+                replica_qps=replica_qps,
+                fastest_qps=fastest,
+            )
+            service.due = now + autoscaler.interval
+        if decision is not None:
+            await self._store.write_autoscaler(name, _status(autoscaler, decision, now))
+        return service.due
+
+    def target(
+        self,
+        record: ServiceRecord,
+        spec: ServiceSpec,
+        replicas: Mapping[int, ReplicaRecord],
+        now: float,
+    ) -> int:
+        """The controller's TargetFn: the autoscaler's target, or the fixed count."""
+        service = self._services.get(record.name)
+        if service is None or not service.autoscaler.autoscaling:
+            return target_replicas(record, spec, replicas, now)
+        return service.autoscaler.target
+
+    async def _signals(self, name: str, policy: ReplicaPolicy, now: float) -> _Signals:
+        if policy.target_ongoing_requests is not None:
+            entries = await self._store.read_inflight(name)
+            fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
+            return _Signals(rps=None, inflight=float(sum(fresh)))
+        if policy.target_qps_per_replica is None:
+            return _Signals(rps=None, inflight=None)
+        # Seconds before the window are never read again; trimming keeps the hash small.
+        await self._store.trim_rps(name, int(now) - self._qps_window - 1)
+        return _Signals(rps=await self._store.read_rps(name), inflight=None)
+
+
+def _latest_live(record: ServiceRecord, managed: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
+    return [r for r in managed if r.status in LIVE and r.version == record.version]
+
+
+def _adopted(
+    policy: ReplicaPolicy, record: ServiceRecord, managed: Sequence[ReplicaRecord]
+) -> int | None:
+    """The current target of a service first seen with replicas running (a controller
+    taking over): what runs, within bounds. None (min_replicas) when nothing runs."""
+    live = len(_latest_live(record, managed)) - policy.num_overprovision
+    if live <= 0:
+        return None
+    hi = policy.max_replicas if policy.max_replicas is not None else policy.min_replicas
+    return max(policy.min_replicas, min(hi, live))
+
+
+def _capacity(
+    policy: ReplicaPolicy, record: ServiceRecord, managed: Sequence[ReplicaRecord]
+) -> tuple[list[float], float | None]:
+    """Instance-aware: each live replica's QPS (its accelerator's) and the fastest's."""
+    match policy.target_qps_per_replica:
+        case dict() as table:
+            fastest = max(table.values())
+            return [
+                r.target_qps
+                if r.target_qps is not None
+                else (policy.target_qps_for(r.accelerator) or fastest)
+                for r in _latest_live(record, managed)
+            ], fastest
+    return [], None
+
+
+def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> AutoscalerStatus:
+    policy = autoscaler.policy
+    on_inflight = policy.target_ongoing_requests is not None
+    on_qps = policy.target_qps_per_replica is not None
+    return AutoscalerStatus(
+        at=now,
+        policy=autoscaler.describe(),
+        target=decision.target,
+        raw=decision.raw,
+        window_min=decision.window_min,
+        window_max=decision.window_max,
+        reason=decision.reason,
+        qps=decision.signal if on_qps else None,
+        inflight=decision.signal if on_inflight else None,
+    )
