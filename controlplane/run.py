@@ -31,22 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TextIO
 
 import msgspec
 
-from controlplane import ops
+from controlplane import ops, processes
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, ServiceStatus
 from controlplane.redisserver import EmbeddedRedis
@@ -62,7 +59,6 @@ from proxy.errors import SluiceError
 
 log = logging.getLogger("sluice.run")
 
-_PR_SET_PDEATHSIG = 1
 _POLL = 0.05  # how often a stopping child is checked
 
 
@@ -112,7 +108,7 @@ def read_run_info(state_dir: Path) -> RunInfo | None:
         info = msgspec.json.decode(run_info_path(state_dir).read_bytes(), type=RunInfo)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return None
-    return info if _alive(info.pid) else None
+    return info if processes.running(info.pid) else None
 
 
 class ServiceRun:
@@ -173,8 +169,8 @@ class ServiceRun:
                     f"service {config.name!r} already exists in {redact_url(url)}; "
                     "choose another name with -n"
                 )
-            port = config.port or _free_port()
-            admin_port = config.admin_port or _free_port()
+            port = config.port or processes.free_port()
+            admin_port = config.admin_port or processes.free_port()
             scheme = "https" if config.spec.service.tls is not None else "http"
             endpoint = f"{scheme}://{_display_host(config.host)}:{port}"
             self._info = RunInfo(
@@ -401,7 +397,7 @@ class ServiceRun:
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # a terminal Ctrl-C reaches us only; we stop them in order
-            preexec_fn=_die_with_parent_hook(),
+            preexec_fn=processes.die_with_parent_hook(),
         )
         if self._info is not None:
             self._info.pids[role] = self._children[role].pid
@@ -447,63 +443,18 @@ def run_service(config: RunConfig, *, out: TextIO | None = None) -> int:
 # -- process helpers -------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _stat(pid: int) -> list[str] | None:
-    """Fields of /proc/{pid}/stat after the command name (state is [0], start time [19])."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text(errors="replace")
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
 def _replica_running(handle: Handle) -> bool:
     """True if the handle's process runs and is the one the backend started."""
-    pid, start_time = handle.get("pid"), handle.get("start_time")
+    pid = handle.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    fields = _stat(pid)
-    if fields is None or fields[0] in ("Z", "X"):
-        return False
-    return not (isinstance(start_time, int) and len(fields) > 19 and int(fields[19]) != start_time)
+    return processes.running(pid, handle.get("start_time"))
 
 
 def _signal_group(handle: Handle, sig: int) -> None:
     pid = handle.get("pid")
     if isinstance(pid, int) and pid > 0 and _replica_running(handle):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, sig)  # the local backend's replica: pid == its process group
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn giving the child SIGTERM when this thread dies (Linux only)."""
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return hook
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        processes.signal_group(pid, sig)  # the local backend's replica: pid == its group
 
 
 def _display_host(host: str) -> str:

@@ -28,11 +28,11 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from controlplane import processes
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.models import Handle
 from controlplane.spec import ServiceSpec
@@ -99,7 +99,7 @@ class LocalBackend:
         env = self._env(spec)
         if spec.setup:
             await self._setup(service, version, spec, workdir, env)
-        port = _free_port()
+        port = processes.free_port(HOST)
         log_path = directory / f"replica-{replica_id}.log"
         env.update(
             PORT=str(port),
@@ -109,7 +109,7 @@ class LocalBackend:
         pid = self._spawn([self._bash, "-c", _LAUNCHER, str(workdir), spec.run], env, log_path)
         handle: Handle = {
             "pid": pid,
-            "start_time": _start_time(pid),
+            "start_time": processes.start_time(pid),
             "port": port,
             "log": str(log_path),
         }
@@ -140,7 +140,7 @@ class LocalBackend:
         self._reap(pid)
         if pid in self._exit_codes:
             return _describe_status(self._exit_codes[pid])
-        if not _running(pid, handle.get("start_time")):
+        if not processes.running(pid, handle.get("start_time")):
             return f"process {pid} is gone"
         return None
 
@@ -148,13 +148,13 @@ class LocalBackend:
         """SIGTERM the process group, SIGKILL it after `term_timeout`; remove the handle file."""
         pid = _pid(handle)
         if pid is not None and self.exited(handle) is None:
-            _signal_group(pid, signal.SIGTERM)
+            processes.signal_group(pid, signal.SIGTERM)
             deadline = time.monotonic() + self._term_timeout
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
         if pid is not None:
             # Stragglers the leader left behind, or a leader that ignored SIGTERM.
-            _signal_group(pid, signal.SIGKILL)
+            processes.signal_group(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
@@ -242,7 +242,7 @@ class LocalBackend:
         try:
             code = await proc.wait()
         except asyncio.CancelledError:
-            _signal_group(proc.pid, signal.SIGKILL)
+            processes.signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise
         if code != 0:
@@ -250,56 +250,9 @@ class LocalBackend:
                                f"(see {log_path})")  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _pid(handle: Handle) -> int | None:
     pid = handle.get("pid")
     return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/{pid}/stat after the command name (state is [0])."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read().decode(errors="replace")
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def _start_time(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
-
-
-def _running(pid: int, start_time: object) -> bool:
-    """True if `pid` is a live (not zombie) process started at `start_time`."""
-    fields = _stat_fields(pid)
-    if fields is None:
-        if not os.path.isdir("/proc/self"):  # no procfs: fall back to a signal probe
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return False
-            except PermissionError:
-                return True
-            return True
-        return False
-    if fields[0] in ("Z", "X"):
-        return False
-    if isinstance(start_time, int) and len(fields) > 19 and int(fields[19]) != start_time:
-        return False  # the pid was recycled
-    return True
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _describe_status(status: int) -> str:
