@@ -155,6 +155,11 @@ def supervise_workers(n: int, argv: list[str]) -> int:
               show_default=True, help="Per-attempt connect timeout.")
 @click.option("--empty-wait", type=click.FloatRange(0), default=10.0, show_default=True,
               help="Hold a request this long for a ready replica before 503.")
+@click.option("--hold-heartbeat", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="While a `\"stream\": true` request is held for a replica, answer 200 "
+                   "text/event-stream at once and send an SSE comment every this many "
+                   "seconds (keeps clients and cloud load balancers from timing out). "
+                   "0: off.")
 @click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=120.0,
               show_default=True, help="Max seconds between response chunks.")
 @click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
@@ -205,6 +210,7 @@ def proxy_command(**opts: object) -> None:
         max_attempts=int(opts["max_attempts"]),  # type: ignore[call-overload]
         connect_timeout=float(opts["connect_timeout"]),  # type: ignore[arg-type]
         empty_wait=float(opts["empty_wait"]),  # type: ignore[arg-type]
+        hold_heartbeat=float(opts["hold_heartbeat"]),  # type: ignore[arg-type]
         stream_idle_timeout=float(opts["stream_idle_timeout"]),  # type: ignore[arg-type]
         header_timeout=float(opts["header_timeout"]),  # type: ignore[arg-type]
         max_body=int(opts["max_body"]),  # type: ignore[call-overload]

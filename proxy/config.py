@@ -32,6 +32,7 @@ class ProxyConfig:
     max_attempts: int = 3
     connect_timeout: float = 5.0
     empty_wait: float = 10.0
+    hold_heartbeat: float = 0.0  # > 0: SSE comments every N s to held stream:true requests
     stream_idle_timeout: float = 120.0
     max_body: int = 100 * 1024 * 1024
     retry_body_limit: int = 1024 * 1024  # bodies up to this are kept for retries

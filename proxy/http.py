@@ -84,6 +84,22 @@ UPGRADE_REFUSED = error_response(501, "upgrade_not_supported",
                                  close=True)
 
 
+# A held `stream: true` request (--hold-heartbeat): the proxy answers 200 with an
+# event stream at once and sends SSE comments until a replica takes over the body.
+SSE_HOLD_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Cache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n")
+SSE_HEARTBEAT = b": sluice: waiting for a ready replica\n\n"
+
+
+_SSE_ERROR_NAMES = {502: "bad_gateway", 503: "no_ready_replica", 504: "deadline_exceeded"}
+
+
+def sse_error(status: int, error: str | None = None) -> bytes:
+    """The SSE event that ends a held stream the proxy could not serve."""
+    name = error or _SSE_ERROR_NAMES.get(status, "proxy_error")
+    return b'event: error\ndata: {"error":"%s","status":%d}\n\n' % (name.encode(), status)
+
+
 def bad_gateway(error_class: str) -> bytes:
     return error_response(502, "bad_gateway", f"all attempts failed; last error: {error_class}",
                           close=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,7 @@ NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
 PAUSE_PIPELINE, PAUSE_BODY_BUFFER, PAUSE_UPSTREAM = 1, 2, 4
 
 _BODY_BUFFER_HIGH = 256 * 1024
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 
 class _Reject(Exception):
@@ -368,9 +370,11 @@ class Exchange:
         "close_after",
         "ctx",
         "deadline_at",
+        "discard_body",
         "empty_until",
         "head_line",
         "head_tail",
+        "heartbeat_at",
         "is_head",
         "keep_alive",
         "last_error",
@@ -381,6 +385,7 @@ class Exchange:
         "replica",
         "resp_chunked",
         "seen_progress",
+        "sse_held",
         "stale_retry_used",
         "started",
         "state",
@@ -402,6 +407,9 @@ class Exchange:
         self.started = started
         self.deadline_at = started + ctx.config.retry_deadline
         self.empty_until = 0.0
+        self.heartbeat_at = 0.0
+        self.sse_held = False  # our own 200 event-stream head went out while held
+        self.discard_body = False
         self.state = NEW
         self.replica: Replica | None = None
         self.pool: ReplicaPool | None = None
@@ -439,8 +447,10 @@ class Exchange:
                 replica = ready_set.choose(None)  # every replica tried: reuse one
             if replica is None:
                 self.state = WAIT_REPLICA
-                self.empty_until = min(self.ctx.now + self.ctx.config.empty_wait,
-                                       self.deadline_at)
+                cfg = self.ctx.config
+                self.empty_until = min(self.ctx.now + cfg.empty_wait, self.deadline_at)
+                if cfg.hold_heartbeat and not self.heartbeat_at:
+                    self.heartbeat_at = self.ctx.now + cfg.hold_heartbeat
                 ready_set.add_waiter(self.wake)
                 return
         self.replica = replica
@@ -540,6 +550,8 @@ class Exchange:
         self.state = STREAMING
         self.status = status
         ctx.stats.ttfb.observe(ctx.loop.time() - self.started)
+        if self.sse_held:
+            return self._continue_held_stream(conn, status, headers)
         out = [http.status_line(status)]
         hop = http.HOP_BY_HOP
         length = False
@@ -581,8 +593,40 @@ class Exchange:
         self.progress_at = ctx.now
         return self.is_head
 
+    def _continue_held_stream(self, conn: UpstreamConnection, status: int,
+                              headers: list[tuple[bytes, bytes]]) -> bool:
+        """The client already has our 200 event-stream head: relay only the body."""
+        if status != 200:
+            self.out.append(http.chunk(http.sse_error(status, "upstream_status")))
+            self.close_after = True
+            self.discard_body = True
+        names = {name.lower() for name, _ in headers}
+        if b"content-length" not in names and b"transfer-encoding" not in names:
+            conn.body_framed = False
+        self.progress_at = self.ctx.now
+        return False
+
+    def heartbeat(self, now: float) -> None:
+        """Held past --hold-heartbeat: start (or continue) the SSE heartbeat stream."""
+        every = self.ctx.config.hold_heartbeat
+        self.heartbeat_at = now + every
+        if self.sse_held:
+            self.client.write(http.chunk(http.SSE_HEARTBEAT))
+            return
+        # Only a complete `"stream": true` body from an HTTP/1.1 client (rare path: the
+        # body was held in full, and this runs once per held request).
+        if not (self.body_done and self.body_whole and self.client.http11
+                and _STREAM_TRUE.search(b"".join(self.body))):
+            self.heartbeat_at = float("inf")
+            return
+        self.sse_held = True
+        self.resp_chunked = True
+        self.client.write(http.SSE_HOLD_HEAD + http.chunk(http.SSE_HEARTBEAT))
+
     def on_response_body(self, data: bytes) -> None:
         self.progress += 1
+        if self.discard_body:
+            return
         if self.resp_chunked:
             self.out.append(b"%x\r\n" % len(data))
             self.out.append(data)
@@ -670,6 +714,9 @@ class Exchange:
         """Answer with a proxy-generated response; only before any response byte was sent."""
         self.detach_upstream(abort=True)
         self.release_replica()
+        if self.sse_held:
+            # Our 200 head is out: end the event stream with an error event instead.
+            response = http.chunk(http.sse_error(status)) + http.LAST_CHUNK
         self.client.write(response)
         self.ctx.stats.count_response(status)
         self.finish(close or self.close_after)
@@ -711,6 +758,8 @@ class Exchange:
                 self.respond(http.DEADLINE, 504)
             elif now >= self.empty_until:
                 self.respond(http.NO_REPLICA, 503)
+            elif self.heartbeat_at and now >= self.heartbeat_at:
+                self.heartbeat(now)
         elif state == WAIT_CONN or state == SENT:
             if now >= self.deadline_at:
                 self.respond(http.DEADLINE, 504)
