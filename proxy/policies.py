@@ -37,6 +37,7 @@ class LeastLoad:
 
     def update(self, replicas: Sequence[Replica]) -> None:
         self._replicas = tuple(replicas)
+        self._next = 0  # the rotation index must stay inside the new list
 
     def choose(self, exclude: set[Replica] | None) -> Replica | None:
         replicas = self._replicas
@@ -119,6 +120,7 @@ class InstanceAwareLeastLoad:
     def update(self, replicas: Sequence[Replica]) -> None:
         self._replicas = tuple(replicas)
         self._weights = tuple(self.weight_of(r) for r in self._replicas)
+        self._next = 0  # the rotation index must stay inside the new list
 
     def choose(self, exclude: set[Replica] | None) -> Replica | None:
         replicas = self._replicas

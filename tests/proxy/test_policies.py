@@ -74,6 +74,17 @@ def test_least_load_breaks_ties_by_rotating() -> None:
     assert collections.Counter(picks(policy, 20)) == {"r1": 10, "r3": 10}
 
 
+@pytest.mark.parametrize("make", [LeastLoad, InstanceAwareLeastLoad, RoundRobin, PowerOfTwoChoices])
+def test_the_set_shrinking_by_several_keeps_every_policy_in_bounds(make) -> None:
+    # Found by the scale-down load test: the rotation index pointed past the end of a
+    # set that shrank from 3 to 1, and the next request hit an IndexError.
+    policy = make()
+    policy.update(fakes(0, 0, 0))
+    picks(policy, 2)  # the rotation now starts at the third replica
+    policy.update(fakes(0))
+    assert picks(policy, 3) == ["r0", "r0", "r0"]
+
+
 def test_least_load_empty_or_all_excluded_is_none() -> None:
     policy = LeastLoad()
     assert policy.choose(None) is None
