@@ -287,13 +287,15 @@ class Controller:
         await self._prober.start()
         self._started = True
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, stepping_down: bool = False) -> None:
         """Stop launches and terminations in flight, close the prober and backends.
 
         Replicas keep running unless `config.terminate_on_close`, in which case
-        every replica is terminated (no drain) and its record deleted.
+        every replica is terminated (no drain) and its record deleted. A leader
+        `stepping_down` (it lost the lease) never terminates: the fleet is the
+        service's, and the next leader (possibly this one again) adopts it.
         """
-        if self.config.terminate_on_close:
+        if self.config.terminate_on_close and not stepping_down:
             with contextlib.suppress(StoreError):
                 await self.terminate_all()
         tasks: list[asyncio.Task[Launched] | asyncio.Task[None]] = [
@@ -882,13 +884,15 @@ async def run_controller(
             await _acquire(store, holder, config.lease_ttl)
             log.info("controller %s: leading", holder)
             controller = Controller(store, config, backends=backends)
+            stepping_down = False
             try:
                 await controller.start()
                 if started is not None:
                     started.set()
                 await _lead(store, holder, config.lease_ttl, controller)
+                stepping_down = True  # _lead returns only when the lease is lost
             finally:
-                await controller.aclose()
+                await controller.aclose(stepping_down=stepping_down)
             log.warning("controller %s: lost the lease; standing by", holder)
     finally:
         with contextlib.suppress(StoreError):
@@ -907,7 +911,13 @@ async def _acquire(store: Store, holder: str, ttl: float) -> None:
 
 
 async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -> None:
-    """Run the controller while renewing the lease; return when the lease is lost."""
+    """Run the controller while renewing the lease; return when the lease is lost.
+
+    A renewal that does not answer within a third of the TTL counts as failed
+    (a stalled Redis must not leave a leader acting on an expired lease), and
+    the leader steps down before the lease can have expired under it. A
+    cancellation of this coroutine always propagates.
+    """
     runner = asyncio.create_task(controller.run(), name="controller")
     last_renewed = time.monotonic()
     try:
@@ -917,15 +927,23 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
                 runner.result()  # run() only ends by raising
                 return
             try:
-                if not await store.renew_lease(holder, ttl):
-                    return
+                async with asyncio.timeout(ttl / 3):
+                    renewed = await store.renew_lease(holder, ttl)
+            except (StoreError, TimeoutError) as exc:
+                log.warning("controller %s: renewing the lease: %s", holder,
+                            exc or type(exc).__name__)
+                renewed = None
+            if renewed is False:
+                return  # someone else holds it, or it expired
+            if renewed:
                 last_renewed = time.monotonic()
-            except StoreError as exc:
-                log.warning("controller %s: renewing the lease: %s", holder, exc)
-                # Step down before the lease can expire under us and a standby takes over.
-                if time.monotonic() - last_renewed > ttl * 0.6:
-                    return
+            elif time.monotonic() - last_renewed > ttl * 0.6:
+                return  # step down before the lease can expire under us
     finally:
         runner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await runner
+        # asyncio.wait (not `await runner` under suppress): a cancellation of *this*
+        # task must propagate, or SIGTERM would turn into "lost the lease" and the
+        # controller would lead again.
+        await asyncio.wait({runner})
+        if not runner.cancelled() and runner.exception() is not None:
+            log.error("controller %s: run() failed", holder, exc_info=runner.exception())
