@@ -7,10 +7,10 @@ the response, whichever is first), so a small response costs one syscall.
 
 Traps handled here: keep-alive is read in on_headers_complete (llhttp reports
 false once feed_data has returned from the message; read there, every pooled
-connection would close: measured 3x the CPU per request); a response to HEAD ends at its headers, and the
-parser is replaced afterwards because it cannot know the request was HEAD;
-1xx responses are separate messages and are skipped; a close-delimited body
-ends in connection_lost.
+connection would close: measured 3x the CPU per request); a response to HEAD
+ends at its headers, and the parser is replaced afterwards because it cannot
+know the request was HEAD; 1xx responses are separate messages and are
+skipped; a close-delimited body ends in connection_lost.
 """
 
 from __future__ import annotations
