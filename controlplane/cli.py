@@ -187,6 +187,7 @@ def _check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="sluice", prog_name="sluice")
 def cli() -> None:
     """sluice: serve one endpoint in front of many replicas, with gap-free updates.
 
@@ -587,7 +588,7 @@ def _replica_log(target: Target, state_dir: Path, name: str, replica_id: int) ->
 
 def _print_file(path: Path, follow: bool) -> None:
     """Copy the file to stdout; with `follow`, keep copying what is appended (tail -F)."""
-    out = click.get_binary_stream("stdout")
+    out = sys.stdout.buffer  # click.get_binary_stream is deprecated since click 8.5
     with path.open("rb") as fh:
         while True:
             chunk = fh.read(65536)

@@ -173,6 +173,7 @@ def supervise_workers(n: int, argv: list[str]) -> int:
 @click.option("--tls-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: key.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(package_name="sluice", prog_name="sluice-proxy")
 def proxy_command(**opts: object) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
 
