@@ -1,0 +1,159 @@
+"""Print sluice's internal import graph: cycles, module sizes, the longest functions.
+
+    python scripts/import_graph.py            # cycles + sizes
+    python scripts/import_graph.py --edges    # also every edge
+
+Every import counts, including those under `if TYPE_CHECKING:` and those inside
+functions (lazy imports); each edge is tagged so a cycle hidden that way is
+still a cycle here. Standard library only, so it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("proxy", "controlplane")
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _imports(mod: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, str]]:
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    type_checking: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                for inner in ast.walk(sub):
+                    type_checking.add(id(inner))
+    lazy: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for inner in ast.walk(node):
+                lazy.add(id(inner))
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        kind = "type" if id(node) in type_checking else "lazy" if id(node) in lazy else "top"
+        for name in names:
+            target = _resolve(name, modules)
+            if target and target != mod:
+                yield target, kind
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of size > 1."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(10_000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _long_functions(path: Path, limit: int) -> Iterator[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > limit and not isinstance(node, ast.ClassDef):
+                yield node.name, length
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--edges", action="store_true", help="print every edge")
+    parser.add_argument("--max-lines", type=int, default=400)
+    parser.add_argument("--max-function", type=int, default=60)
+    args = parser.parse_args()
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    kinds: dict[tuple[str, str], set[str]] = {}
+    for mod, path in modules.items():
+        for target, kind in _imports(mod, path, modules):
+            graph[mod].add(target)
+            kinds.setdefault((mod, target), set()).add(kind)
+    if args.edges:
+        for (a, b), k in sorted(kinds.items()):
+            print(f"{a} -> {b} [{','.join(sorted(k))}]")
+    upward = [(a, b) for (a, b) in kinds if a.startswith("proxy") and b.startswith("controlplane")]
+    print(f"modules: {len(modules)}  edges: {len(kinds)}  proxy->controlplane edges: {len(upward)}")
+    cycles = _cycles(graph)
+    print(f"cycles: {len(cycles)}")
+    for comp in cycles:
+        members = set(comp)
+        edges = [f"{a}->{b}[{','.join(sorted(k))}]" for (a, b), k in sorted(kinds.items())
+                 if a in members and b in members]
+        print("  " + " | ".join(edges))
+    print(f"modules over {args.max_lines} lines:")
+    for mod, path in sorted(modules.items(), key=lambda kv: -len(kv[1].read_text().splitlines())):
+        n = len(path.read_text().splitlines())
+        if n > args.max_lines:
+            print(f"  {n:5d}  {mod}")
+    print(f"functions over {args.max_function} lines:")
+    for mod, path in modules.items():
+        for name, length in _long_functions(path, args.max_function):
+            print(f"  {length:5d}  {mod}.{name}")
+    return 1 if cycles or upward else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
