@@ -89,3 +89,18 @@ def test_hadolint_clean() -> None:
     result = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True,
                             text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_script_parses() -> None:
+    script = ROOT / "tests" / "image" / "test_image.sh"
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+def test_image_script_shellcheck_clean() -> None:
+    scripts = [ROOT / "tests" / "image" / "test_image.sh", ROOT / ".ci" / "run"]
+    result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

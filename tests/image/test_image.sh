@@ -29,7 +29,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-CACHE=${SLUICE_CI_CACHE:-/var/cache/sluice-ci}
+if [[ $(id -u) == 0 ]]; then
+    CACHE=${SLUICE_CI_CACHE:-/var/cache/sluice-ci}
+else
+    CACHE=${SLUICE_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice-ci}
+fi
 PY=${PYTHON:-python3}
 IMAGE=sluice-image-test:latest
 SUITE=bookworm
@@ -46,6 +50,7 @@ skip() {
         fail "no Docker engine ($*) and SLUICE_IMAGE_TEST=require"
     fi
     printf 'image-test: SKIP: no Docker engine: %s\n' "$*"
+    skipped=1
     exit 0
 }
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
@@ -62,6 +67,7 @@ poll() {
 
 # -- cleanup: only what this run started ----------------------------------------------
 work=""
+skipped=""
 dockerd_pid=""
 host_pid=""
 client_pid=""
@@ -82,7 +88,7 @@ cleanup() {
         wait "$dockerd_pid" 2>/dev/null
     fi
     [[ -n $work ]] && rm -rf "$work"
-    say "finished in $(( $(date +%s) - started )) s (status $status)"
+    [[ -n $skipped ]] || say "finished in $(( $(date +%s) - started )) s (status $status)"
     exit "$status"
 }
 trap cleanup EXIT
@@ -114,7 +120,8 @@ if (( ${#need[@]} )); then
     fi
 fi
 
-mkdir -p "$CACHE" 2>/dev/null || skip "cannot create the cache directory $CACHE"
+engine_answers || [[ $(id -u) == 0 ]] || skip "none answers and starting dockerd needs root"
+mkdir -p "$CACHE" || fail "cannot create the cache directory $CACHE"
 work=$(mktemp -d /tmp/sluice-image-test.XXXXXX)
 # One image test at a time on a machine: they share the cache and the dockerd.
 exec 9>"$CACHE/lock"
@@ -126,7 +133,6 @@ fi
 if engine_answers; then
     say "using the Docker engine that answers at ${DOCKER_HOST:-unix:///var/run/docker.sock}"
 else
-    [[ $(id -u) == 0 ]] || skip "none answers and starting dockerd needs root"
     say "starting dockerd (log: $work/dockerd.log)"
     dockerd --bridge=none --iptables=false --ip6tables=false >"$work/dockerd.log" 2>&1 &
     dockerd_pid=$!
@@ -186,6 +192,7 @@ if docker image inspect "$base_image" >/dev/null 2>&1; then
     say "base image $base_image: cached in the engine"
 else
     if [[ ! -s $base_tar ]]; then
+        [[ $(id -u) == 0 ]] || fail "building the base image (debootstrap) needs root"
         say "debootstrap $SUITE ($INCLUDE) from $mirror"
         debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$work/rootfs" "$mirror" \
             >"$work/debootstrap.log" 2>&1 \
@@ -255,11 +262,17 @@ cp -a --parents Dockerfile .dockerignore "${sources[@]}" "$ctx/"
 cp -al "$wheelhouse" "$ctx/wheelhouse" 2>/dev/null || cp -a "$wheelhouse" "$ctx/wheelhouse"
 t0=$(date +%s)
 say "docker build --network none (BASE_IMAGE=$base_image WHEELHOUSE=wheelhouse)"
-DOCKER_BUILDKIT=0 docker build --network none --label sluice-image-test=1 \
-    --build-arg BASE_IMAGE="$base_image" --build-arg WHEELHOUSE=wheelhouse \
-    -t "$IMAGE" "$ctx" >"$work/build.log" 2>&1 \
-    || { tail -n 40 "$work/build.log" >&2; fail "docker build failed (see above)"; }
-docker image prune -f --filter label=sluice-image-test=1 >/dev/null   # earlier builds
+# The build stage is tagged (and labelled) too, so that the prune below removes what
+# earlier builds left behind, and only that. DOCKER_BUILDKIT=0: BuildKit needs buildx.
+build_image() {   # build_image TAG [--target STAGE]
+    DOCKER_BUILDKIT=0 docker build --network none --force-rm --label sluice-image-test=1 \
+        --build-arg BASE_IMAGE="$base_image" --build-arg WHEELHOUSE=wheelhouse \
+        -t "$1" "${@:2}" "$ctx" >>"$work/build.log" 2>&1 \
+        || { tail -n 40 "$work/build.log" >&2; fail "docker build failed (see above)"; }
+}
+build_image "${IMAGE%:*}:build" --target build
+build_image "$IMAGE"
+docker image prune -f --filter label=sluice-image-test=1 >/dev/null
 say "image built in $(( $(date +%s) - t0 )) s"
 
 # -- check 1: both entry points, unprivileged -------------------------------------------
