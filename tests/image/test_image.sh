@@ -55,11 +55,15 @@ skip() {
 }
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 
-# poll TIMEOUT_S CMD...: run CMD until it succeeds; status 1 once TIMEOUT_S has passed.
+# poll TIMEOUT_S CMD...: run CMD until it succeeds (status 0); status 1 once TIMEOUT_S has
+# passed; status 2 at once when CMD returns 2 (it never will: what it waits for died).
 poll() {
-    local deadline=$(( $(now_ms) + $1 * 1000 ))
+    local deadline=$(( $(now_ms) + $1 * 1000 )) rc
     shift
-    until "$@"; do
+    while true; do
+        rc=0
+        "$@" || rc=$?
+        (( rc != 0 && rc != 2 )) || return "$rc"
         (( $(now_ms) < deadline )) || return 1
         sleep 0.2
     done
@@ -99,9 +103,10 @@ trap 'exit 143' TERM
 [[ $(uname -s) == Linux ]] || skip "not Linux"
 engine_answers() { docker info >/dev/null 2>&1; }
 apt_install() {
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null \
-        || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
-                 apt-get install -y -q "$@" >/dev/null; }
+    local apt=(apt-get -q -o DPkg::Lock::Timeout=600)
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "$@" >/dev/null \
+        || { "${apt[@]}" update >/dev/null \
+             && DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y "$@" >/dev/null; }
 }
 need=()
 if ! command -v docker >/dev/null || { ! command -v dockerd >/dev/null && ! engine_answers; }
@@ -134,9 +139,11 @@ if engine_answers; then
     say "using the Docker engine that answers at ${DOCKER_HOST:-unix:///var/run/docker.sock}"
 else
     say "starting dockerd (log: $work/dockerd.log)"
-    dockerd --bridge=none --iptables=false --ip6tables=false >"$work/dockerd.log" 2>&1 &
+    # 9>&-: the lock stays with this script, not with the daemon.
+    dockerd --bridge=none --iptables=false --ip6tables=false >"$work/dockerd.log" 2>&1 9>&- &
     dockerd_pid=$!
-    if ! poll 60 engine_answers; then
+    ours_answers() { engine_answers || { kill -0 "$dockerd_pid" 2>/dev/null || return 2; return 1; }; }
+    if ! poll 60 ours_answers; then
         tail -n 20 "$work/dockerd.log" >&2
         kill -0 "$dockerd_pid" 2>/dev/null || { dockerd_pid=""; skip "dockerd exited at start"; }
         fail "dockerd (pid $dockerd_pid) started but did not answer within 60 s"
@@ -288,7 +295,7 @@ uid=$(docker run --rm --network none "$IMAGE" id -u)
 say "ok: sluice and sluice-proxy --version print $want_version; the image runs as uid $uid"
 
 # -- check 2: sluice-proxy in the container serves a host replica via Redis -------------
-"$PY" -m tests.image.host_services --out "$work/host.env" 2>"$work/host.log" &
+"$PY" -m tests.image.host_services --out "$work/host.env" 2>"$work/host.log" 9>&- &
 host_pid=$!
 host_up() { [[ -s $work/host.env ]] || { kill -0 "$host_pid" 2>/dev/null || return 2; return 1; }; }
 poll 30 host_up || fail "the host's redis-server and replica did not come up within 30 s: $(cat "$work/host.log")"
@@ -323,13 +330,14 @@ except OSError as e:
     print("error", type(e).__name__, e)
 EOF
 }
+running() { [[ $(docker inspect -f '{{.State.Running}}' "$name") == true ]]; }
 served() {
     last=$(http_get "http://127.0.0.1:$proxy_port/echo/image")
-    [[ $last == "200 $REPLICA_ID "* ]]
+    [[ $last == "200 $REPLICA_ID "* ]] || { running || return 2; return 1; }
 }
 last=""
 poll 60 served || fail "GET /echo/image through the proxy: expected 200 from replica
-$REPLICA_ID, got: $last
+$REPLICA_ID, got: $last (container running: $(running && echo yes || echo no))
 proxy log:
 $(proxy_logs)"
 snapshot=$(http_get "http://127.0.0.1:$admin_port/snapshot")
@@ -344,7 +352,9 @@ say "ok: sluice-proxy (uid $proxy_uid) serves $REPLICA_URL through the ready set
 
 # -- check 3: the HEALTHCHECK turns healthy; its command fails on a dead port ------------
 health() { docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$name"; }
-is_healthy() { [[ $(health) == healthy ]]; }
+is_healthy() {
+    case $(health) in healthy) return 0 ;; unhealthy) return 2 ;; *) return 1 ;; esac
+}
 poll 60 is_healthy || fail "health status: expected healthy within 60 s, got '$(health)':
 $(docker inspect -f '{{json .State.Health}}' "$name")"
 mapfile -t -d '' health_cmd < <(docker inspect -f '{{json .Config.Healthcheck.Test}}' "$name" \
@@ -357,7 +367,7 @@ fi
 say "ok: the container turned healthy; its health command fails on an unserved port"
 
 # -- check 4: docker stop with a request in flight ends within the shutdown grace -------
-"$PY" - "http://127.0.0.1:$proxy_port/hang" >/dev/null 2>&1 <<'EOF' &
+"$PY" - "http://127.0.0.1:$proxy_port/hang" >/dev/null 2>&1 9>&- <<'EOF' &
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1], timeout=120).read()
 EOF
