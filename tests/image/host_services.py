@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def main() -> int:
                 replica.wait()
         with contextlib.suppress(Exception):
             redis.stop()
-        subprocess.run(["rm", "-rf", str(state)], check=False)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":
