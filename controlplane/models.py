@@ -129,6 +129,8 @@ class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     target_qps: float | None = None
     launched_at: float | None = None
     first_ready_at: float | None = None
+    # The first failed probe of a replica never READY: its initial delay counts from here.
+    first_not_ready_at: float | None = None
     status_since: float | None = None  # when `status` last changed (drain timing)
     failures: int = 0  # consecutive failed probes
 

@@ -656,8 +656,10 @@ def test_probe_state_machine() -> None:
     bad = ProbeResult(1, False, "503", url)
     starting = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url=url, launched_at=100.0)
 
-    assert apply_probe(starting, bad, probe, 105.0).record == starting  # within initial delay
-    late = apply_probe(starting, bad, probe, 111.0)
+    first = apply_probe(starting, bad, probe, 105.0)  # the initial delay starts here
+    assert first.record == replace(starting, first_not_ready_at=105.0) and first.event is None
+    assert apply_probe(first.record, bad, probe, 115.0).record == first.record  # 10s: not > 10
+    late = apply_probe(first.record, bad, probe, 115.5)
     assert late.record.status is ReplicaStatus.FAILED_INITIAL_DELAY and late.event == "failure"
 
     ready = apply_probe(starting, ok, probe, 105.0)
@@ -679,6 +681,79 @@ def test_probe_state_machine() -> None:
     exited = apply_exit(ready.record, "exited with code 1", 130.0)
     assert exited.record.status is ReplicaStatus.FAILED
     assert exited.reason == "process exited with code 1 after being ready"
+
+
+def test_initial_delay_counts_from_the_first_failed_probe_as_in_sky() -> None:
+    # Sky Serve 0.14.1, replica_managers.py `_probe_all_replicas`: `first_not_ready_time`
+    # is set by the first failed probe; FAILED_INITIAL_DELAY once
+    # `probe_time - first_not_ready_time > initial_delay_seconds`. Launch time plays no part
+    # (a replica whose setup or first probe came late is not charged for it).
+    probe = ReadinessProbe(path="/h", initial_delay_seconds=60)
+    url = "http://127.0.0.1:1"
+    bad = ProbeResult(1, False, "connect: refused", url)
+    launched = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url=url, launched_at=0.0)
+    first = apply_probe(launched, bad, probe, 100.0).record
+    assert first.status is ReplicaStatus.STARTING and first.first_not_ready_at == 100.0
+    assert apply_probe(first, bad, probe, 150.0).record.status is ReplicaStatus.STARTING
+    assert apply_probe(first, bad, probe, 160.0).record.status is ReplicaStatus.STARTING
+    failed = apply_probe(first, bad, probe, 160.5)
+    assert failed.record.status is ReplicaStatus.FAILED_INITIAL_DELAY
+    assert "initial_delay_seconds=60" in (failed.reason or "")
+
+
+async def test_probe_follows_redirects_like_requests_bounded() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        match request.path:
+            case "/health":  # e.g. a framework adding a trailing slash
+                raise web.HTTPMovedPermanently("/health/")
+            case "/health/":
+                return web.Response(text=f"ok {request.method}")
+            case "/post":  # a 302 to a POST: requests (and so Sky) re-asks with a GET
+                raise web.HTTPFound("/health/")
+            case "/keep":  # a 307 keeps the POST and its body
+                raise web.HTTPTemporaryRedirect("/echo")
+            case "/echo":
+                body = await request.read()
+                return web.Response(status=200 if request.method == "POST" and body else 400)
+            case "/loop":
+                raise web.HTTPFound("/loop")
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    woken = asyncio.Event()
+    prober = Prober(clock=time.time, on_result=woken.set)
+    await prober.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        targets = [
+            (ReplicaRecord(id=i, status=ReplicaStatus.STARTING, url=url), probe)
+            for i, probe in enumerate(
+                [
+                    ReadinessProbe(path="/health"),
+                    ReadinessProbe(path="/post", post_data={"q": 1}),
+                    ReadinessProbe(path="/keep", post_data={"q": 1}),
+                    ReadinessProbe(path="/loop", timeout_seconds=10),
+                ],
+                start=1,
+            )
+        ]
+        prober.poll("svc", targets, time.time())
+        results: dict[int, ProbeResult] = {}
+        async with asyncio.timeout(15):
+            while len(results) < len(targets):
+                await woken.wait()
+                woken.clear()
+                results.update(prober.poll("svc", targets, time.time()))
+        assert {i: r.ok for i, r in results.items()} == {1: True, 2: True, 3: True, 4: False}
+        assert "TooManyRedirects" in results[4].detail
+    finally:
+        await prober.aclose()
+        await runner.cleanup()
 
 
 async def test_control_subscription_decodes_nudges(
