@@ -33,6 +33,7 @@ from controlplane.models import (
     ServiceStatus,
     UpdateMode,
 )
+from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
 from controlplane.store import Mutation, ServiceNotFound, Store
 from proxy.errors import SluiceError
@@ -361,16 +362,7 @@ async def _view(store: Store, name: str) -> ServiceView | None:
         if event.kind == EVENT_FAILURE:
             last_failure = event.fields.get("reason", "failed")
             break
-    blocked = next(
-        (
-            r
-            for r in replicas
-            if r.version == record.version
-            and r.status in FAILED_REPLICA_STATUSES
-            and r.first_ready_at is None
-        ),
-        None,
-    )
+    blocked = given_up_by(replicas, record.version, ready_version(record, replicas))
     launch_blocked = None
     if blocked is not None:
         launch_blocked = (

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from controlplane import processes
-from controlplane.backends.base import Launched, LaunchFailed
+from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
 from controlplane.models import Handle
 from controlplane.spec import ServiceSpec
 
@@ -178,7 +178,7 @@ class LocalBackend:
     def _workdir(self, spec: ServiceSpec) -> Path:
         workdir = self._base_dir / spec.workdir if spec.workdir else self._base_dir
         if not workdir.is_dir():
-            raise LaunchFailed(f"workdir {str(workdir)!r} is not a directory")
+            raise TaskFailed(f"workdir {str(workdir)!r} is not a directory")
         return workdir
 
     def _env(self, spec: ServiceSpec) -> dict[str, str]:
@@ -246,7 +246,7 @@ class LocalBackend:
             await proc.wait()
             raise
         if code != 0:
-            raise LaunchFailed(f"setup of version {version} exited with code {code} "
+            raise TaskFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
 
 

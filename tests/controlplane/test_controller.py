@@ -27,6 +27,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controlplane import ops
+from controlplane.backends.base import Launched, LaunchFailed
+from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.controller import Controller, ControllerConfig, run_controller
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceStatus, UpdateMode
@@ -410,6 +412,91 @@ async def test_a_service_that_never_gets_ready_is_failed(
     assert view.launch_blocked is not None and "exited with code 1" in view.launch_blocked
     assert (await event_kinds(store, "svc")).count("launch") == 2  # one round, no loop
     assert view.last_failure is not None and "before it was ever ready" in view.last_failure
+
+
+async def test_a_failed_setup_gives_up_a_version_that_never_served(
+    store: Store, start_controller: StartController
+) -> None:
+    # Sky: a setup that fails is FAILED_SETUP, a user-code failure (FAILED), not a
+    # provisioning failure to retry; so one round of launches, not a loop.
+    controller = await start_controller()
+    await ops.up(store, "svc", make_spec(2, setup="echo no deps >&2; exit 4"))
+    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    for _ in range(3):
+        await controller.step()
+    view = (await ops.status(store, "svc"))[0]
+    assert view.status == "FAILED" and {r.status for r in view.replicas} == {"FAILED"}
+    assert view.launch_blocked is not None and "setup of version 1 exited with code 4" in (
+        view.launch_blocked
+    )
+    assert (await event_kinds(store, "svc")).count("launch") == 2
+
+
+# Replica 2 never answers its readiness probe; every other replica is ready at once.
+SLOW_2 = RUN + ' --ready-delay "$([ "$SLUICE_REPLICA_ID" = 2 ] && echo 1000 || echo 0)"'
+
+
+async def test_a_version_that_served_keeps_scaling_after_a_slow_replica(
+    store: Store, start_controller: StartController
+) -> None:
+    # Sky Serve 0.14.1 (autoscalers.py, generate_scaling_decisions): scaling stops for an
+    # unrecoverable failure only while `latest_version_ever_ready < latest_version`.
+    await start_controller()
+    await ops.up(store, "svc", make_spec(1, run=SLOW_2))
+    await ready_view(store, "svc", 1)
+    # Count-only: replica 1 is relabelled, so version 2 has served from the start.
+    await ops.update(store, "svc", make_spec(2, run=SLOW_2, probe={"initial_delay_seconds": 4}))
+    view = await ops.wait_for(
+        store,
+        "svc",
+        lambda v: v.ready == 2 and all(r.status == "READY" for r in v.replicas),
+        timeout=40,
+    )
+    assert [r.id for r in view.replicas] == [1, 3] and view.launch_blocked is None
+    assert {r.version for r in view.replicas} == {2}
+    failures = [e for e in await store.events("svc", count=1000) if e.kind == "failure"]
+    assert [e.fields["status"] for e in failures] == ["FAILED_INITIAL_DELAY"]
+    assert (await store.service("svc")).ready_version == 2  # type: ignore[union-attr]
+
+
+class FakeCloudOutOfCapacity(LocalBackend):
+    """A fake of what cannot run here, a cloud: its first provisioning fails for want of
+    capacity (LaunchFailed); later ones run the replica as the local backend does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attempts = 0
+
+    async def launch(
+        self, service: str, replica_id: int, version: int, spec: ServiceSpec
+    ) -> Launched:
+        self.attempts += 1
+        if self.attempts == 1:
+            raise LaunchFailed("fake cloud: no A100 capacity in us-east-1")
+        return await super().launch(service, replica_id, version, spec)
+
+
+async def test_a_failed_provision_is_retried_not_given_up(
+    store: Store, config: ControllerConfig
+) -> None:
+    # Sky: FAILED_PROVISION is not `unrecoverable_failure` (replica_managers.py): the
+    # autoscaler launches another replica, even for a version never READY yet.
+    cloud = FakeCloudOutOfCapacity(config.state_dir, term_timeout=config.term_timeout)
+    controller = Controller(store, config, backends={"local": cloud, "external": ExternalBackend()})
+    await controller.start()
+    runner = asyncio.create_task(controller.run())
+    try:
+        await ops.up(store, "svc", make_spec(1))
+        view = await ready_view(store, "svc", 1)
+        assert [r.id for r in view.replicas] == [2] and view.status == "READY"
+        failures = [e for e in await store.events("svc", count=1000) if e.kind == "failure"]
+        assert len(failures) == 1 and "no A100 capacity" in failures[0].fields["reason"]
+        assert failures[0].fields["status"] == "FAILED_PROVISION" and cloud.attempts == 2
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+        await controller.aclose()
 
 
 async def test_external_replicas_are_probed_and_routed_never_killed(
