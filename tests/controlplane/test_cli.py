@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -221,16 +222,24 @@ def test_run_refuses_an_existing_service(
     assert not (state / "controller.log").exists()  # no process was started
 
 
-def test_logs_needs_exactly_one_source(tmp_path: Path) -> None:
-    for args in (["logs", "svc"], ["logs", "svc", "--controller", "--replica", "1"]):
-        result = sluice(*args, "--state-dir", str(tmp_path))
-        assert result.exit_code == 2
-        assert "choose one of" in result.stderr
-
-
-def test_status_endpoint_needs_a_name(ops_args: list[str]) -> None:
-    result = sluice("status", "--endpoint", *ops_args)
+def test_logs_needs_a_source(tmp_path: Path) -> None:
+    result = sluice("logs", "svc", "--state-dir", str(tmp_path))
     assert result.exit_code == 2
+    assert "choose a log" in result.stderr
+
+
+def test_status_endpoint_without_a_name_needs_exactly_one_service(ops_args: list[str]) -> None:
+    # As `sky serve status --endpoint`: the only service's endpoint, else a usage error.
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 2 and "No services found" in result.stderr
+    up = sluice("up", str(ECHO), "-n", "one", "--endpoint", "http://127.0.0.1:8080", *ops_args)
+    assert up.exit_code == 0, up.output
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "http://127.0.0.1:8080\n"
+    assert sluice("up", str(ECHO), "-n", "two", *ops_args).exit_code == 0
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 2 and "2 services found" in result.stderr
 
 
 def test_proxy_is_sluice_proxy() -> None:
@@ -286,7 +295,7 @@ def test_update_and_down(echo_up: list[str]) -> None:
 
     assert sluice("update", "echo", str(ECHO), "--mode", "sideways", *echo_up).exit_code == 2
 
-    result = sluice("down", "echo", *echo_up)
+    result = sluice("down", "echo", "-y", *echo_up)
     assert result.exit_code == 0, result.output
     [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
     assert view["status"] == "SHUTTING_DOWN"
@@ -352,13 +361,186 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
             await store.commit("echo", replica_updates=[record])
 
     asyncio.run(add_local_replica())
-    assert sluice("logs", "echo", "--controller", *echo_up).stdout == "controller line\n"
-    assert sluice("logs", "echo", "--proxy", *echo_up).stdout == "proxy line\n"
+    args = ["--no-follow", *echo_up]
+    assert sluice("logs", "echo", "--controller", *args).stdout == "controller line\n"
+    assert sluice("logs", "echo", "--proxy", *args).stdout == "proxy line\n"
     # The handle's log path when the record has one; the backend's default path otherwise.
-    assert sluice("logs", "echo", "--replica", "3", *echo_up).stdout == "replica three\n"
-    assert sluice("logs", "echo", "--replica", "2", *echo_up).stdout == "replica two\n"
-    assert_one_line_error(sluice("logs", "echo", "--replica", "9", *echo_up), "no replica 9")
-    assert_one_line_error(sluice("logs", "other", "--proxy", *echo_up), "no log at")
+    assert sluice("logs", "echo", "--replica", "3", *args).stdout == "replica three\n"
+    assert sluice("logs", "echo", "--replica", "2", *args).stdout == "replica two\n"
+    assert_one_line_error(sluice("logs", "echo", "--replica", "9", *args), "no replica 9")
+    assert_one_line_error(sluice("logs", "other", "--proxy", *args), "no log at")
+
+    # `sky serve logs` spellings: --load-balancer, replica IDs as arguments, --tail N.
+    assert sluice("logs", "echo", "--load-balancer", *args).stdout == "proxy line\n"
+    assert sluice("logs", "echo", "2", *args).stdout == "replica two\n"
+    (state / "controller.log").write_text("".join(f"line {i}\n" for i in range(1, 6)))
+    tail = sluice("logs", "echo", "--controller", "--tail", "2", *echo_up)  # no follow
+    assert tail.exit_code == 0 and tail.stdout == "line 4\nline 5\n"
+    assert sluice("logs", "echo", "--controller", "--tail", "0", *echo_up).stdout == ""
+    assert sluice("logs", "echo", "--controller", "--tail", "9", *echo_up).stdout.count("line") == 5
+    both = sluice("logs", "echo", "2", "3", *args).stdout
+    assert both == (
+        f"==> {state / 'echo' / 'replica-2.log'} <==\nreplica two\n"
+        f"\n==> {elsewhere} <==\nreplica three\n"
+    )
+    assert sluice("logs", "echo", "--tail", "-1", "2", *args).exit_code == 2
+
+
+def _spec_of(url: str, prefix: str, name: str, version: int = 1) -> dict[str, Any]:
+    async def main() -> bytes | None:
+        async with Store.from_url(url, prefix=prefix) as store:
+            return await store.spec(name, version)
+
+    raw = asyncio.run(main())
+    assert raw is not None
+    decoded: dict[str, Any] = json.loads(raw)
+    return decoded
+
+
+def _statuses(ops_args: list[str]) -> dict[str, str]:
+    result = sluice("status", "--json", *ops_args)
+    assert result.exit_code == 0, result.output
+    return {v["name"]: v["status"] for v in json.loads(result.stdout)}
+
+
+LLM_YAML = """\
+service:
+  readiness_probe:
+    path: /v1/chat/completions
+    post_data: {model: $MODEL_NAME, max_tokens: 1}
+    headers: {Authorization: Bearer $API_KEY}
+  replicas: 1
+envs:
+  MODEL_NAME: small
+  HF_TOKEN:
+run: serve --model $MODEL_NAME
+"""
+
+
+def test_up_env_and_secret_overrides_fill_the_yaml(
+    tmp_path: Path, ops_args: list[str], redis_url: str, redis_prefix: str
+) -> None:
+    yaml_file = tmp_path / "llm.yaml"
+    yaml_file.write_text(LLM_YAML)
+    assert_one_line_error(sluice("up", str(yaml_file), *ops_args), "$.envs.HF_TOKEN")
+    env_file = tmp_path / "llm.env"
+    env_file.write_text("MODEL_NAME=from-file\nHF_TOKEN=hf-file\n")
+    secret_file = tmp_path / "llm.secrets"
+    secret_file.write_text("API_KEY=sk-file\n")
+    result = sluice(
+        "up", str(yaml_file), "-n", "llm", "-y", "--env-file", str(env_file),
+        "--env", "MODEL_NAME=Qwen/Qwen2.5-0.5B", "--env", "HF_TOKEN",
+        "--secret-file", str(secret_file), "--secret", "API_KEY", *ops_args,
+        env={"HF_TOKEN": "hf-shell", "API_KEY": "sk-shell"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    spec = _spec_of(redis_url, redis_prefix, "llm")
+    probe = spec["service"]["readiness_probe"]
+    assert probe["post_data"] == {"model": "Qwen/Qwen2.5-0.5B", "max_tokens": 1}
+    assert probe["headers"] == {"Authorization": "Bearer sk-shell"}
+    assert spec["envs"] == {"MODEL_NAME": "Qwen/Qwen2.5-0.5B", "HF_TOKEN": "hf-shell"}
+    # SkyPilot 0.14.1 also loads --env-file into the secrets, where MODEL_NAME=from-file
+    # would beat --env in $MODEL_NAME; here --env wins (docs/cli.md).
+    assert spec["secrets"] == {"API_KEY": "sk-shell"}
+    assert spec["run"] == "serve --model $MODEL_NAME"  # the shell expands it at run time
+
+    unset = sluice("up", str(yaml_file), "-n", "x", "--env", "NOT_SET_ANYWHERE_42", *ops_args)
+    assert unset.exit_code == 2 and "NOT_SET_ANYWHERE_42 is not set" in unset.stderr
+    missing = sluice("up", str(yaml_file), "-n", "x", "--env-file", str(tmp_path / "no.env"),
+                     *ops_args)  # fmt: skip
+    assert missing.exit_code == 2 and "no.env" in missing.stderr
+    # update takes them too.
+    result = sluice("update", "llm", str(yaml_file), "--env", "HF_TOKEN=t", "-y", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert _spec_of(redis_url, redis_prefix, "llm", 2)["service"]["readiness_probe"][
+        "post_data"
+    ] == {"model": "small", "max_tokens": 1}
+
+
+def test_update_defaults_to_rolling_like_sky(echo_up: list[str]) -> None:
+    assert sluice("update", "echo", str(ECHO), "--mode", "blue_green", *echo_up).exit_code == 0
+    result = sluice("update", "echo", str(ECHO), *echo_up)
+    assert result.exit_code == 0 and "version 3 (rolling)" in result.stdout, result.output
+    [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
+    assert view["update_mode"] == "rolling"
+
+
+def test_down_several_names_globs_all_and_the_prompt(ops_args: list[str]) -> None:
+    for name in ("echo-a", "echo-b", "other", "last"):
+        assert sluice("up", str(ECHO), "-n", name, *ops_args).exit_code == 0
+
+    assert sluice("down", *ops_args).exit_code == 2  # neither NAMEs nor --all
+    assert sluice("down", "echo-a", "--all", *ops_args).exit_code == 2
+    no = CliRunner().invoke(cli, ["down", "echo-*", *ops_args], input="n\n")
+    assert no.exit_code == 1 and "Taking down service(s) 'echo-a', 'echo-b'. Proceed?" in (
+        no.output
+    )
+    assert set(_statuses(ops_args).values()) == {"CONTROLLER_INIT"}  # nothing happened
+    # A pattern that matches nothing fails before anything is taken down.
+    assert_one_line_error(sluice("down", "other", "nope-*", "-y", *ops_args),
+                          "no service matches 'nope-*'")  # fmt: skip
+    assert_one_line_error(sluice("down", "ghost", "other", "-y", *ops_args),
+                          "no service 'ghost'")  # fmt: skip
+    assert _statuses(ops_args)["other"] == "CONTROLLER_INIT"
+
+    yes = CliRunner().invoke(cli, ["down", "echo-*", "other", *ops_args], input="y\n")
+    assert yes.exit_code == 0, yes.output
+    assert _statuses(ops_args) == {"echo-a": "SHUTTING_DOWN", "echo-b": "SHUTTING_DOWN",
+                                   "other": "SHUTTING_DOWN", "last": "CONTROLLER_INIT"}  # fmt: skip
+    # --purge removes a service stuck SHUTTING_DOWN (no controller runs here) at once.
+    result = sluice("down", "echo-?", "--purge", "-y", *ops_args)
+    assert result.exit_code == 0 and "echo-a: purged" in result.stdout, result.output
+    assert set(_statuses(ops_args)) == {"other", "last"}
+    result = sluice("down", "-a", "-y", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert _statuses(ops_args) == {"other": "SHUTTING_DOWN", "last": "SHUTTING_DOWN"}
+
+
+def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str) -> None:
+    commit_ready(redis_url, redis_prefix, "echo", 7, 4321)
+
+    async def add_failed() -> None:
+        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
+            record = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
+            await store.commit("echo", replica_updates=[record])
+
+    asyncio.run(add_failed())
+
+    def replicas() -> dict[int, str]:
+        [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
+        return {r["id"]: r["status"] for r in view["replicas"]}
+
+    assert sluice("down", "echo", "other", "--replica-id", "7", "-y", *echo_up).exit_code == 2
+    result = sluice("down", "echo", "--replica-id", "7", "-y", *echo_up)
+    assert result.exit_code == 0 and "replica 7 terminated" in result.stdout, result.output
+    assert replicas() == {7: "SHUTTING_DOWN", 8: "FAILED"}
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "7", "-y", *echo_up),
+                          "already shutting down")  # fmt: skip
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "8", "-y", *echo_up),
+                          "failed status (FAILED)", "--purge")  # fmt: skip
+    result = sluice("down", "echo", "--replica-id", "8", "--purge", "-y", *echo_up)
+    assert result.exit_code == 0 and "replica 8 purged" in result.stdout, result.output
+    assert replicas() == {7: "SHUTTING_DOWN"}
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "9", "-y", *echo_up),
+                          "has no replica 9")  # fmt: skip
+    assert sluice("status", "echo", *echo_up).exit_code == 0  # still there
+
+
+def test_status_several_names_and_verbose(echo_up: list[str]) -> None:
+    assert sluice("up", str(ECHO), "-n", "two", *echo_up).exit_code == 0
+    assert sluice("up", str(ECHO), "-n", "three", *echo_up).exit_code == 0
+    result = sluice("status", "echo", "three", "--json", *echo_up)
+    assert [v["name"] for v in json.loads(result.stdout)] == ["echo", "three"]
+    assert sluice("replica", "add", "echo", "http://127.0.0.1:9", *echo_up).exit_code == 0
+    for flag in ("-v", "--verbose", "-a", "--all"):
+        result = sluice("status", "echo", flag, *echo_up)
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert lines[1].split()[-2:] == ["POLICY", "UPDATE_MODE"]
+        assert "least_load" in lines[2] and "rolling" in lines[2]
+        header = next(line for line in lines if line.startswith("SERVICE_NAME"))
+        assert header.split()[-4:] == ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
+    assert "BACKEND" not in sluice("status", "echo", *echo_up).stdout
 
 
 def test_duration() -> None:
@@ -504,7 +686,7 @@ def test_logs_follow_until_ctrl_c(tmp_path: Path) -> None:
     controller_log = state / "controller.log"
     controller_log.write_text("one\n")
     out = tmp_path / "follow.out"
-    argv = ["logs", "svc", "--controller", "--follow", "--state-dir", str(state)]
+    argv = ["logs", "svc", "--controller", "--state-dir", str(state)]  # follows by default
     with _process(argv, out) as proc:
         deadline = time.monotonic() + 20
         while out.read_text() != "one\n":
