@@ -133,6 +133,7 @@ class ServiceRun:
         """Start everything, serve until a signal, stop everything. Returns the exit code;
         raises RunError (and the store's errors) after stopping what it started."""
         config = self._config
+        tls_files(config.spec)  # a missing key or cert is an error before anything starts
         config.state_dir.mkdir(parents=True, exist_ok=True)
         other = read_run_info(config.state_dir)
         if other is not None and other.pid != os.getpid():
@@ -423,8 +424,9 @@ class ServiceRun:
                 "--admin-port", str(admin_port), "--shutdown-grace", f"{config.stop_timeout / 2:g}",
                 "--stream-idle-timeout", f"{service.load_balancer.stream_timeout_seconds:g}",
                 "--log-level", config.log_level]  # fmt: skip
-        if service.tls is not None:
-            argv += ["--tls-certfile", service.tls.certfile, "--tls-keyfile", service.tls.keyfile]
+        tls = tls_files(config.spec)
+        if tls is not None:
+            argv += ["--tls-certfile", str(tls[0]), "--tls-keyfile", str(tls[1])]
         self._spawn("proxy", argv)
 
     def _write_info(self) -> None:
@@ -433,6 +435,22 @@ class ServiceRun:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(msgspec.json.encode(self._info))
         tmp.replace(path)
+
+
+def tls_files(spec: ServiceSpec) -> tuple[Path, Path] | None:
+    """The spec's `service.tls` (certfile, keyfile) as absolute paths, `~` expanded (Sky
+    Serve expands them too: serve_utils.TLSCredential); None without TLS. Raises RunError
+    naming the field when a file is missing."""
+    tls = spec.service.tls
+    if tls is None:
+        return None
+    paths = []
+    for field, given in (("certfile", tls.certfile), ("keyfile", tls.keyfile)):
+        path = Path(given).expanduser().absolute()
+        if not path.is_file():
+            raise RunError(f"service.tls.{field}: no file at {path} (given as {given!r})")
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def run_service(config: RunConfig, *, out: TextIO | None = None) -> int:

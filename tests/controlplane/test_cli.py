@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -609,9 +610,11 @@ def _kill_all(pids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child of this test; on the way out, it and whatever it started are SIGKILLed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO,
                                 env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -727,3 +730,66 @@ def test_snapshot_watch_follows_generations_until_ctrl_c(
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0, log.read_text()
     assert "Traceback" not in log.read_text()
+
+
+TLS_YAML = """\
+name: echo
+service:
+  readiness_probe: /health
+  replicas: 1
+  tls:
+    keyfile: ~/certs/key.pem
+    certfile: ~/certs/cert.pem
+run: exec python -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID
+"""
+
+
+def test_run_with_tls_paths_under_home_that_do_not_exist(tmp_path: Path) -> None:
+    spec = tmp_path / "tls.yaml"
+    spec.write_text(TLS_YAML)
+    state = tmp_path / "state"
+    result = sluice("run", str(spec), "--state-dir", str(state), env={"HOME": str(tmp_path)})
+    assert_one_line_error(
+        result, f"service.tls.certfile: no file at {tmp_path}/certs/cert.pem", "'~/certs/cert.pem'"
+    )
+    assert not state.exists()  # nothing was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_run_serves_https_with_tls_paths_under_home(tmp_path: Path) -> None:
+    import ssl
+
+    import trustme
+
+    home = tmp_path / "home"
+    (home / "certs").mkdir(parents=True)
+    ca = trustme.CA()
+    cert = ca.issue_cert(HOST)
+    cert.private_key_pem.write_to_path(str(home / "certs" / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(home / "certs" / "cert.pem"))
+    spec = tmp_path / "tls.yaml"
+    spec.write_text(TLS_YAML.replace("exec python", f"exec {sys.executable}"))
+    state, port, log = tmp_path / "state", free_port(), tmp_path / "run.log"
+    argv = ["run", str(spec), "--state-dir", str(state), "--host", HOST, "--port", str(port),
+            "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    with _process(argv, log, env={"HOME": str(home)}) as proc:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
+            with contextlib.suppress(OSError):
+                conn = http.client.HTTPSConnection(HOST, port, timeout=2, context=context)
+                try:
+                    conn.request("GET", "/fast")
+                    if conn.getresponse().status == 200:
+                        break
+                finally:
+                    conn.close()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        info = json.loads((state / "run.json").read_text())
+        assert info["endpoint"] == f"https://{HOST}:{port}"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
