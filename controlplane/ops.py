@@ -27,6 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from controlplane.autoscaler import Autoscaler
+from controlplane.backends.local import check_fixed_port
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
     AutoscalerStatus,
@@ -119,8 +120,10 @@ async def up(
 
     `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
     Returns the stored record. Raises ServiceExists if the name is taken,
-    ValueError for an invalid name.
+    ValueError for an invalid name, PortConflict for local replicas that would
+    share a fixed port.
     """
+    check_fixed_port(spec)
     record = ServiceRecord(
         name=name,
         status=ServiceStatus.CONTROLLER_INIT,
@@ -147,8 +150,11 @@ async def update(
     The spec and the version bump are written in one transaction; the
     controller then relabels (count-only change) or rolls out new replicas
     (`mode`: rolling or blue_green; default: the service's current mode).
-    Raises ServiceNotFound, ServiceShuttingDown.
+    Raises ServiceNotFound, ServiceShuttingDown, PortConflict (a new local replica
+    would need the fixed port the running one holds).
     """
+    current_raw = await store.spec(name, (await _record(store, name)).version)
+    check_fixed_port(spec, ServiceSpec.from_json(current_raw) if current_raw else None)
     payload = spec.to_json()
     new_version = 0
 

@@ -44,6 +44,7 @@ from typing import IO, TextIO
 import msgspec
 
 from controlplane import ops, processes
+from controlplane.backends.local import check_fixed_port, fixed_port
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, ServiceStatus
 from controlplane.redisserver import EmbeddedRedis
@@ -133,7 +134,17 @@ class ServiceRun:
         """Start everything, serve until a signal, stop everything. Returns the exit code;
         raises RunError (and the store's errors) after stopping what it started."""
         config = self._config
-        tls_files(config.spec)  # a missing key or cert is an error before anything starts
+        # Errors before anything starts: a missing key or cert, a fixed replica port
+        # several replicas (or the proxy) would need.
+        tls_files(config.spec)
+        check_fixed_port(config.spec)
+        replica_port = fixed_port(config.spec)
+        if replica_port is not None and replica_port == config.port:
+            raise RunError(
+                f"the proxy's --port {config.port} is the port the replica listens on "
+                "(service.ports; the run command does not use $PORT); give the proxy "
+                "another --port"
+            )
         config.state_dir.mkdir(parents=True, exist_ok=True)
         other = read_run_info(config.state_dir)
         if other is not None and other.pid != os.getpid():

@@ -1,5 +1,14 @@
 """The local backend: each replica is a process group on this machine.
 
+Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless its run command
+does not use `$PORT` and the spec names a port (`service.ports`, or the one
+`resources.ports`): a Sky Serve YAML such as `vllm serve --port 8080`, whose
+replica listens on that fixed port whatever sluice says. That replica is run with
+`PORT` set to the fixed port and probed and routed there; `check_fixed_port`
+refuses (at `up`, `update`, `run`) a spec that could need two replicas on it at
+once, so the mistake is one error instead of a replica probed on the wrong port
+until its initial delay runs out.
+
 Per version, the task's `setup` runs once (`bash -c`, in `workdir`, logged to
 `{state_dir}/{service}/setup-v{version}.log`; a marker file keyed by the spec's
 task fields keeps it from running twice, across controller restarts too). Per
@@ -26,16 +35,18 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from controlplane import processes
-from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
+from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
 from controlplane.models import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.spec import ServiceSpec, is_count_only_change
 
 log = logging.getLogger("sluice.backend.local")
 
@@ -44,6 +55,49 @@ _POLL = 0.05  # how often terminate() looks whether the process group is gone
 # Runs the task in its workdir; `exec` keeps the pid, so pid == process group id.
 _LAUNCHER = 'cd -- "$0" || exit 97; exec bash -c "$1"'
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+
+_USES_PORT = re.compile(r"\$\{?PORT\b")
+
+
+class PortConflict(BackendError):
+    """Local replicas of a spec would need the same fixed port at once."""
+
+
+def fixed_port(spec: ServiceSpec) -> int | None:
+    """The port a local replica of `spec` listens on whatever sluice says: the spec's
+    port when its run command does not use `$PORT`; None when each replica gets a
+    free port."""
+    if not spec.run or _USES_PORT.search(spec.run):
+        return None
+    return spec.replica_port
+
+
+def check_fixed_port(spec: ServiceSpec, previous: ServiceSpec | None = None) -> None:
+    """Raise PortConflict when local replicas of `spec` could need its fixed port twice at
+    once: more than one replica, or (`previous`: the version it updates) a new replica
+    started while the old one, on the same fixed port, still runs."""
+    port = fixed_port(spec)
+    if port is None:
+        return
+    why = (
+        f"service.ports: the replicas listen on the fixed port {port} (the run command "
+        "does not use $PORT), so only one local replica at a time can serve"
+    )
+    fix = "listen on $PORT instead (sluice sets it for each replica)"
+    scaling = spec.service.scaling
+    most = spec.max_replicas + scaling.num_overprovision + scaling.base_ondemand_fallback_replicas
+    if most > 1 or scaling.dynamic_ondemand_fallback:
+        raise PortConflict(f"{why}, but this spec runs up to {most}; {fix}, or run one replica")
+    if (
+        previous is not None
+        and fixed_port(previous) == port
+        and not is_count_only_change(previous, spec)
+    ):
+        raise PortConflict(
+            f"{why}: the new version's replica cannot start while the old one holds the "
+            f"port; {fix}, or take the service down and up again"
+        )
 
 
 class LocalBackend:
@@ -99,7 +153,13 @@ class LocalBackend:
         env = self._env(spec)
         if spec.setup:
             await self._setup(service, version, spec, workdir, env)
-        port = processes.free_port(HOST)
+        port = fixed_port(spec)
+        if port is None:
+            port = processes.free_port(HOST)
+        elif not _bindable(port):
+            raise TaskFailed(
+                f"port {port} (service.ports; the run command does not use $PORT) is in use"
+            )
         log_path = directory / f"replica-{replica_id}.log"
         env.update(
             PORT=str(port),
@@ -248,6 +308,17 @@ class LocalBackend:
         if code != 0:
             raise TaskFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
+
+
+def _bindable(port: int) -> bool:
+    """True when nothing listens on `port` (any IPv4 address) right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 def _pid(handle: Handle) -> int | None:

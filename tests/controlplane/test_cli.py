@@ -793,3 +793,43 @@ def test_run_serves_https_with_tls_paths_under_home(tmp_path: Path) -> None:
         assert info["endpoint"] == f"https://{HOST}:{port}"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+# -- replicas on the YAML's fixed port (most Sky Serve YAMLs: `vllm serve --port 8080`) -----
+
+
+def _fixed_port_yaml(tmp_path: Path, replicas: int, run: str, probe: str = "/health") -> Path:
+    path = tmp_path / f"fixed-{replicas}-{abs(hash((run, probe)))}.yaml"
+    path.write_text(
+        f"service:\n  readiness_probe: {probe}\n  replicas: {replicas}\n  ports: 8080\n"
+        f"resources:\n  ports: 8080\nrun: {run}\n"
+    )
+    return path
+
+
+def test_a_fixed_replica_port_allows_one_local_replica(
+    tmp_path: Path, ops_args: list[str], redis_url: str, redis_prefix: str
+) -> None:
+    two = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port 8080")
+    line = assert_one_line_error(sluice("up", str(two), "-n", "llm", *ops_args),
+                                 "fixed port 8080", "up to 2", "$PORT")  # fmt: skip
+    assert "Traceback" not in line and keys(redis_url, redis_prefix) == []
+    result = sluice("run", str(two), "-n", "llm", "--state-dir", str(tmp_path / "run"))
+    assert_one_line_error(result, "fixed port 8080")
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+    # Listening on $PORT: any number of replicas, each on its own port.
+    dollar = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port $PORT")
+    assert sluice("up", str(dollar), "-n", "ok", *ops_args).exit_code == 0
+    # One replica on the fixed port is fine, and a count-only update too; an update that
+    # replaces the replica cannot start the new one while the old one holds the port.
+    one = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080")
+    assert sluice("up", str(one), "-n", "llm", *ops_args).exit_code == 0
+    probe = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080", "/v1/models")
+    assert sluice("update", "llm", str(probe), *ops_args).exit_code == 0
+    other = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-8B --port 8080")
+    assert_one_line_error(sluice("update", "llm", str(other), *ops_args),
+                          "fixed port 8080", "cannot start while the old one")  # fmt: skip
+    # `sluice run`'s proxy cannot take the replica's port either.
+    result = sluice("run", str(one), "--port", "8080", "--state-dir", str(tmp_path / "run"))
+    assert_one_line_error(result, "--port 8080", "another --port")

@@ -499,6 +499,26 @@ async def test_a_failed_provision_is_retried_not_given_up(
         await controller.aclose()
 
 
+async def test_a_replica_on_the_yamls_fixed_port_is_probed_there(
+    store: Store, start_controller: StartController
+) -> None:
+    # A Sky Serve YAML: the run command listens on the port the YAML names, not $PORT.
+    port = free_port()
+    run = f"exec {sys.executable} -m tests.replica_app --port {port} --id $SLUICE_REPLICA_ID"
+    doc: dict[str, Any] = {
+        "service": {"readiness_probe": PROBE, "replicas": 1, "ports": port},
+        "resources": {"ports": port},
+        "workdir": str(REPO),
+        "run": run,
+    }
+    await start_controller()
+    await ops.up(store, "svc", parse_spec(doc))
+    view = await ready_view(store, "svc", 1)
+    assert view.replicas[0].url == f"http://127.0.0.1:{port}"
+    [replica] = (await store.replicas("svc")).values()
+    assert replica.handle["port"] == port
+
+
 async def test_external_replicas_are_probed_and_routed_never_killed(
     store: Store, start_controller: StartController, replica_factory: ReplicaFactory
 ) -> None:
