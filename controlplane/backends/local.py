@@ -1,9 +1,11 @@
 """The local backend: each replica is a process group on this machine.
 
-Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless its run command
-does not use `$PORT` and the spec names a port (`service.ports`, or the one
-`resources.ports`): a Sky Serve YAML such as `vllm serve --port 8080`, whose
-replica listens on that fixed port whatever sluice says. That replica is run with
+Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless the spec names a
+port (`service.ports`, or the one `resources.ports`) and its run command spells that
+port out (after `$VAR` from envs and secrets) without using `$PORT`: a Sky Serve
+YAML such as `vllm serve --port 8080`, whose replica listens on that fixed port
+whatever sluice says. (A program that reads the PORT variable itself, like
+examples/echo_server.py, is not fixed: its run command names no port.) That replica is run with
 `PORT` set to the fixed port and probed and routed there; `check_fixed_port`
 refuses (at `up`, `update`, `run`) a spec that could need two replicas on it at
 once, so the mistake is one error instead of a replica probed on the wrong port
@@ -46,7 +48,7 @@ from pathlib import Path
 from controlplane import processes
 from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
 from controlplane.models import Handle
-from controlplane.spec import ServiceSpec, is_count_only_change
+from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
 
 log = logging.getLogger("sluice.backend.local")
 
@@ -66,11 +68,14 @@ class PortConflict(BackendError):
 
 def fixed_port(spec: ServiceSpec) -> int | None:
     """The port a local replica of `spec` listens on whatever sluice says: the spec's
-    port when its run command does not use `$PORT`; None when each replica gets a
-    free port."""
-    if not spec.run or _USES_PORT.search(spec.run):
+    port when its run command names it (`--port 8080`, `0.0.0.0:8080`, `--port $P` with
+    `envs: {P: 8080}`) and does not use `$PORT`; None when each replica gets a free
+    port."""
+    port = spec.replica_port
+    if port is None or not spec.run or _USES_PORT.search(spec.run):
         return None
-    return spec.replica_port
+    run = fill_in_env_vars(spec.run, {**spec.envs, **spec.secrets})
+    return port if re.search(rf"(?<![\w.]){port}(?![\w.])", run) else None
 
 
 def check_fixed_port(spec: ServiceSpec, previous: ServiceSpec | None = None) -> None:

@@ -818,9 +818,17 @@ def test_a_fixed_replica_port_allows_one_local_replica(
     assert_one_line_error(result, "fixed port 8080")
     assert not (tmp_path / "run").exists()  # nothing was started
 
-    # Listening on $PORT: any number of replicas, each on its own port.
+    # Through an env var of the YAML, the port is as fixed.
+    env = tmp_path / "env.yaml"
+    env.write_text(two.read_text().replace("--port 8080", "--port $VLLM_PORT")
+                   + "envs:\n  VLLM_PORT: 8080\n")  # fmt: skip
+    assert_one_line_error(sluice("up", str(env), "-n", "llm", *ops_args), "fixed port 8080")
+    # Listening on $PORT, or a program that reads PORT itself (its run command names no
+    # port, like examples/echo.yaml): any number of replicas, each on its own port.
     dollar = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port $PORT")
     assert sluice("up", str(dollar), "-n", "ok", *ops_args).exit_code == 0
+    reads_env = _fixed_port_yaml(tmp_path, 2, "python3 server.py --workers 18080")
+    assert sluice("up", str(reads_env), "-n", "ok2", *ops_args).exit_code == 0
     # One replica on the fixed port is fine, and a count-only update too; an update that
     # replaces the replica cannot start the new one while the old one holds the port.
     one = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080")
