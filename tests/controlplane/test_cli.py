@@ -683,13 +683,15 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     assert "Traceback" not in output
 
 
-def test_logs_follow_until_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--tail", "1", "--follow"]])
+def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     state = tmp_path / "st"
     state.mkdir()
     controller_log = state / "controller.log"
-    controller_log.write_text("one\n")
+    controller_log.write_text("zero\none\n" if extra else "one\n")
     out = tmp_path / "follow.out"
-    argv = ["logs", "svc", "--controller", "--state-dir", str(state)]  # follows by default
+    # Follows by default (as `sky serve logs`); --tail N with --follow: the last N, then on.
+    argv = ["logs", "svc", "--controller", "--state-dir", str(state), *extra]
     with _process(argv, out) as proc:
         deadline = time.monotonic() + 20
         while out.read_text() != "one\n":
