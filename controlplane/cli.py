@@ -480,6 +480,9 @@ def down(
         return await store.services() if all_ else await ops.match_services(store, list(names))
 
     services = _with_store(target, chosen)
+    if replica_id is not None and len(services) != 1:
+        raise click.UsageError(f"--replica-id takes one service; {names[0]!r} matches "
+                               f"{', '.join(services)}")  # fmt: skip
     if not services:
         click.echo("No service to take down.")
         return

@@ -512,6 +512,9 @@ def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str)
         return {r["id"]: r["status"] for r in view["replicas"]}
 
     assert sluice("down", "echo", "other", "--replica-id", "7", "-y", *echo_up).exit_code == 2
+    assert sluice("up", str(ECHO), "-n", "echo2", *echo_up).exit_code == 0
+    many = sluice("down", "echo*", "--replica-id", "7", "-y", *echo_up)
+    assert many.exit_code == 2 and "matches echo, echo2" in many.stderr
     result = sluice("down", "echo", "--replica-id", "7", "-y", *echo_up)
     assert result.exit_code == 0 and "replica 7 terminated" in result.stdout, result.output
     assert replicas() == {7: "SHUTTING_DOWN", 8: "FAILED"}
