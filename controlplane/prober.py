@@ -11,7 +11,7 @@ commit. A finished probe calls `on_result`, which wakes the controller.
 A probe is a GET of the readiness path (a POST of `post_data` when set) with
 the probe's headers; READY iff the answer is HTTP 200. Redirects are followed,
 as Sky Serve's `requests` call does (a 301/302/303 answer to a POST is followed
-with a GET, as there), at most `MAX_REDIRECTS` of them, all within the probe's
+with a GET, as there), fewer than `MAX_REDIRECTS` in a row, all within the probe's
 one timeout.
 
 `apply_probe` and `apply_exit` are the state machine (Sky Serve's semantics),
