@@ -1,14 +1,17 @@
 """`sluice`: the command line. Parse, build config, call one function.
 
-    sluice run FILE [-n NAME]                 everything in the foreground (controlplane.run)
-    sluice up FILE [-n NAME]                  ops commands: Redis only (controlplane.ops)
+    sluice run FILE [-n NAME] [--env K=V]     everything in the foreground (controlplane.run)
+    sluice up FILE [-n NAME] [--env K=V] [-y] ops commands: Redis only (controlplane.ops)
     sluice update NAME FILE [--mode MODE]
-    sluice down NAME
-    sluice status [NAME] [--json] [--endpoint]
+    sluice down NAME... | -a  [--purge] [--replica-id ID] [-y]
+    sluice status [NAME...] [-v] [--json] [--endpoint]
     sluice replica add|remove NAME URL
     sluice replica preempt NAME ID
     sluice snapshot NAME [--json] [--watch]
-    sluice logs NAME --controller|--proxy|--replica ID [--follow]
+    sluice logs NAME [ID...] [--controller] [--load-balancer] [--no-follow] [--tail N]
+
+The commands and options `sky serve` has take the same names and arguments (SkyPilot
+0.14.1, sky/client/cli/command.py), so a Sky Serve user's habits work here.
     sluice controller                         long-running: the controller
     sluice proxy                              long-running: = sluice-proxy
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -162,10 +166,84 @@ def _target(redis_url: str | None, prefix: str, state_dir: Path) -> Target:
     return Target(info.redis_url, prefix if explicit else info.prefix)
 
 
-def _load(file: Path) -> ServiceSpec:
-    """The validated spec of `file`; raises the one-line error before any Redis call."""
+def _load(file: Path, overrides: Overrides | None = None) -> ServiceSpec:
+    """The validated spec of `file` (with --env / --secret applied); raises the
+    one-line error before any Redis call."""
+    envs, secrets = overrides if overrides is not None else ({}, {})
     with _errors():
-        return load_spec(file)
+        return load_spec(file, envs=envs, secrets=secrets)
+
+
+# -- --env, --env-file, --secret, --secret-file (SkyPilot's flags.py) -------------------------
+
+#: (envs, secrets) from the command line, overriding the YAML's.
+Overrides = tuple[dict[str, str], dict[str, str]]
+
+
+def _env_pair(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> list[tuple[str, str]]:
+    """KEY=VAL, or KEY alone for the value of KEY in this environment (as SkyPilot)."""
+    pairs = []
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep:
+            found = os.environ.get(item)
+            if found is None:
+                raise click.BadParameter(f"{item} is not set in the local environment")
+            value = found
+        pairs.append((key, value))
+    return pairs
+
+
+def _dotenv(ctx: click.Context, param: click.Parameter, value: Path | None) -> dict[str, str]:
+    """A dotenv file, parsed by python-dotenv as SkyPilot parses it."""
+    if value is None:
+        return {}
+    import dotenv
+
+    parsed = dotenv.dotenv_values(value)
+    empty = [k for k, v in parsed.items() if v is None]
+    if empty:
+        raise click.BadParameter(f"{value}: {empty[0]} has no value (write {empty[0]}=...)")
+    return {k: v for k, v in parsed.items() if v is not None}
+
+
+def _env_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--env, --env-file, --secret, --secret-file: values that override the YAML's `envs` and
+    `secrets` (and fill `$VAR` in its `service:` section)."""
+    options = [
+        click.option("--secret-file", type=click.Path(exists=True, dir_okay=False,
+                     path_type=Path), callback=_dotenv,
+                     help="A dotenv file of secrets; --secret wins over it."),
+        click.option("--secret", "secret", multiple=True, metavar="KEY[=VAL]",
+                     callback=_env_pair, help="Set a secret (redacted like the YAML's "
+                     "`secrets`); KEY alone takes $KEY from this shell. Repeatable."),
+        click.option("--env-file", type=click.Path(exists=True, dir_okay=False,
+                     path_type=Path), callback=_dotenv,
+                     help="A dotenv file of envs; --env wins over it."),
+        click.option("--env", "env", multiple=True, metavar="KEY[=VAL]", callback=_env_pair,
+                     help="Set an env var of the task; KEY alone takes $KEY from this "
+                     "shell. Repeatable."),
+    ]  # fmt: skip
+    for option in options:
+        command = option(command)
+    return command
+
+
+def _overrides(
+    env: list[tuple[str, str]],
+    env_file: dict[str, str],
+    secret: list[tuple[str, str]],
+    secret_file: dict[str, str],
+) -> Overrides:
+    """envs = env file < --env; secrets = secret file < --secret (SkyPilot's
+    `_merge_cli_and_file_vars`, except that SkyPilot also loads the env file into the
+    secrets, where its values then beat --env in `$VAR` and the replica's environment)."""
+    return {**env_file, **dict(env)}, {**secret_file, **dict(secret)}
+
+
+_YES = click.option("-y", "--yes", is_flag=True, help="Skip the confirmation prompt.")
 
 
 def _service_name(name: str | None, spec: ServiceSpec, file: Path) -> str:
@@ -225,6 +303,7 @@ def cli() -> None:
     help="On Ctrl-C, how long to wait for the controller to stop the replicas.",
 )
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
+@_env_options
 def run(
     file: Path,
     name: str | None,
@@ -237,6 +316,10 @@ def run(
     drain_seconds: float,
     down_timeout: float,
     log_level: str,
+    env: list[tuple[str, str]],
+    env_file: dict[str, str],
+    secret: list[tuple[str, str]],
+    secret_file: dict[str, str],
 ) -> None:
     """Run FILE's service in the foreground: Redis, controller, proxy, replicas.
 
@@ -249,7 +332,7 @@ def run(
     Example:
       sluice run examples/echo.yaml --port 8080
     """
-    spec = _load(file)
+    spec = _load(file, _overrides(env, env_file, secret, secret_file))
     config = RunConfig(
         spec=spec,
         name=_service_name(name, spec, file),
@@ -273,22 +356,32 @@ def run(
 @click.option("-n", "--name", help="Service name (default: the YAML's `name`, else the file's).")
 @click.option("--endpoint", metavar="URL", help="Where clients reach the service (shown by "
               "`sluice status`), e.g. the URL of its sluice-proxy.")  # fmt: skip
+@_env_options
+@_YES
 @_redis_options()
 def up(
     file: Path,
     name: str | None,
     endpoint: str | None,
+    env: list[tuple[str, str]],
+    env_file: dict[str, str],
+    secret: list[tuple[str, str]],
+    secret_file: dict[str, str],
+    yes: bool,
     redis_url: str | None,
     prefix: str,
     state_dir: Path,
 ) -> None:
     """Register FILE's service; the controller launches its replicas.
 
+    -y is accepted as `sky serve up` takes it; there is no cost to confirm here.
+
     \b
     Example:
       sluice up examples/echo.yaml -n echo --redis redis://127.0.0.1:6379
+      sluice up llm.yaml -n llm --env MODEL_NAME=Qwen/Qwen2.5-0.5B --secret HF_TOKEN
     """
-    spec = _load(file)
+    spec = _load(file, _overrides(env, env_file, secret, secret_file))
     service = _service_name(name, spec, file)
     target = _target(redis_url, prefix, state_dir)
     record = _with_store(target, lambda store: ops.up(store, service, spec, endpoint=endpoint))
@@ -301,15 +394,23 @@ def up(
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--mode",
-    type=click.Choice([m.value for m in UpdateMode]),
-    default=None,
-    help="How the new version takes over (default: the service's current mode).",
+    type=click.Choice([m.value for m in UpdateMode], case_sensitive=False),
+    default=UpdateMode.ROLLING.value,
+    show_default=True,
+    help="How the new version takes over (rolling unless given, as in `sky serve update`).",
 )
+@_env_options
+@_YES
 @_redis_options()
 def update(
     name: str,
     file: Path,
-    mode: str | None,
+    mode: str,
+    env: list[tuple[str, str]],
+    env_file: dict[str, str],
+    secret: list[tuple[str, str]],
+    secret_file: dict[str, str],
+    yes: bool,
     redis_url: str | None,
     prefix: str,
     state_dir: Path,
@@ -323,63 +424,162 @@ def update(
     Example:
       sluice update echo examples/echo.yaml --mode blue_green
     """
-    spec = _load(file)
+    spec = _load(file, _overrides(env, env_file, secret, secret_file))
     target = _target(redis_url, prefix, state_dir)
-    chosen = UpdateMode(mode) if mode is not None else None
+    chosen = UpdateMode(mode.lower())
     version = _with_store(target, lambda store: ops.update(store, name, spec, mode=chosen))
-    how = f" ({chosen.value})" if chosen is not None else ""
-    click.echo(f"{name}: updating to version {version}{how}. Watch: sluice status {name}")
+    click.echo(f"{name}: updating to version {version} ({chosen.value}). "
+               f"Watch: sluice status {name}")  # fmt: skip
 
 
 @cli.command()
-@click.argument("name")
+@click.argument("names", metavar="[NAME]...", nargs=-1)
+@click.option("-a", "--all", "all_", is_flag=True, help="Take every service down.")
+@click.option(
+    "-p",
+    "--purge",
+    is_flag=True,
+    help="Also remove at once a service stuck "
+    "SHUTTING_DOWN (its replicas may be left running), or a failed replica.",
+)
+@click.option(
+    "--replica-id",
+    type=click.IntRange(1),
+    metavar="ID",
+    help="Take only this replica of NAME down (it is replaced if the target still wants it).",
+)
+@_YES
 @_redis_options()
-def down(name: str, redis_url: str | None, prefix: str, state_dir: Path) -> None:
-    """Take service NAME down: the controller drains and stops its replicas.
+def down(
+    names: tuple[str, ...],
+    all_: bool,
+    purge: bool,
+    replica_id: int | None,
+    yes: bool,
+    redis_url: str | None,
+    prefix: str,
+    state_dir: Path,
+) -> None:
+    """Take services down (NAME may be a glob): the controller drains and stops their
+    replicas. Asks first unless -y.
 
     \b
-    Example:
+    Examples:
       sluice down echo
+      sluice down 'llm-*' -y
+      sluice down -a -y
+      sluice down llm --replica-id 3
     """
+    if bool(names) == all_:
+        raise click.UsageError("give service NAMEs or --all (one of them)")
+    if replica_id is not None and len(names) != 1:
+        raise click.UsageError("--replica-id takes exactly one service NAME")
     target = _target(redis_url, prefix, state_dir)
-    _with_store(target, lambda store: ops.down(store, name))
-    click.echo(f"{name}: shutting down; the controller drains and stops its replicas")
+
+    async def chosen(store: Store) -> list[str]:
+        return await store.services() if all_ else await ops.match_services(store, list(names))
+
+    services = _with_store(target, chosen)
+    if replica_id is not None and len(services) != 1:
+        raise click.UsageError(f"--replica-id takes one service; {names[0]!r} matches "
+                               f"{', '.join(services)}")  # fmt: skip
+    if not services:
+        click.echo("No service to take down.")
+        return
+    if not yes:
+        what = (
+            f"replica {replica_id} of {services[0]!r}"
+            if replica_id is not None
+            else "service(s) " + ", ".join(repr(n) for n in services)
+        )
+        click.confirm(f"Taking down {what}. Proceed?", default=True, abort=True)
+    if replica_id is not None:
+        name = services[0]
+        action = _with_store(
+            target, lambda store: ops.terminate_replica(store, name, replica_id, purge=purge)
+        )
+        click.echo(f"{name}: replica {replica_id} {action}")
+        return
+
+    async def take_down(store: Store) -> None:
+        for name in services:
+            try:
+                left = await ops.down(store, name, purge=purge)
+            except ServiceNotFound:
+                continue  # gone since the listing: nothing to do
+            if purge and left:
+                click.echo(f"{name}: purged; replicas the controller had not stopped may "
+                           f"still run: {_handles(left)}")  # fmt: skip
+            elif purge:
+                click.echo(f"{name}: purged")
+            else:
+                click.echo(f"{name}: shutting down; the controller drains and stops its "
+                           "replicas")  # fmt: skip
+
+    _with_store(target, take_down)
+
+
+def _handles(replicas: list[ReplicaRecord]) -> str:
+    return ", ".join(
+        f"replica {r.id} ({', '.join(f'{k} {v}' for k, v in r.handle.items() if k != 'log')})"
+        for r in replicas
+    )
 
 
 @cli.command()
-@click.argument("name", required=False)
+@click.argument("names", metavar="[NAME]...", nargs=-1)
+@click.option(
+    "-v",
+    "--verbose",
+    "-a",
+    "--all",
+    "verbose",
+    is_flag=True,
+    help="Show every column (policy, update mode, backend, accelerator, spot).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the services as JSON.")
-@click.option("--endpoint", is_flag=True, help="Print only the endpoint of service NAME.")
+@click.option("--endpoint", is_flag=True, help="Print only the endpoint of the service "
+              "(NAME, or the only service there is).")  # fmt: skip
 @_redis_options()
 def status(
-    name: str | None,
+    names: tuple[str, ...],
+    verbose: bool,
     as_json: bool,
     endpoint: bool,
     redis_url: str | None,
     prefix: str,
     state_dir: Path,
 ) -> None:
-    """Show services (or NAME) and their replicas.
+    """Show services (all, or the NAMEs) and their replicas.
 
     \b
     Examples:
       sluice status
+      sluice status echo llm -v
       sluice status echo --json
-      curl $(sluice status echo --endpoint)/health
+      curl $(sluice status --endpoint)/health
     """
-    if endpoint and name is None:
-        raise click.UsageError("--endpoint needs a service NAME")
     target = _target(redis_url, prefix, state_dir)
-    views = _with_store(target, lambda store: ops.status(store, name))
+
+    async def views_of(store: Store) -> list[ops.ServiceView]:
+        if not names:
+            return await ops.status(store, None)
+        return [view for name in dict.fromkeys(names) for view in await ops.status(store, name)]
+
+    views = _with_store(target, views_of)
     if endpoint:
+        if len(views) != 1:
+            count = str(len(views)) if views else "No"
+            raise click.UsageError(f"{count} service{'s' if len(views) != 1 else ''} found; "
+                                   "name the one whose endpoint to print")  # fmt: skip
         url = views[0].endpoint
         if not url:
-            raise click.ClickException(f"service {name!r} has no endpoint recorded")
+            raise click.ClickException(f"service {views[0].name!r} has no endpoint recorded")
         click.echo(url)
     elif as_json:
         click.echo(msgspec.json.format(msgspec.json.encode(views), indent=2).decode())
     else:
-        click.echo(status_text(views, time.time()))
+        click.echo(status_text(views, time.time(), verbose=verbose))
 
 
 @cli.group()
@@ -516,44 +716,71 @@ def snapshot(
 
 @cli.command()
 @click.argument("name")
-@click.option("--controller", "which", flag_value="controller", help="The controller's log.")
-@click.option("--proxy", "which", flag_value="proxy", help="The proxy's log (sluice run).")
-@click.option("--replica", "replica_id", type=int, metavar="ID", help="A replica's log.")
-@click.option("-f", "--follow", is_flag=True, help="Keep printing what is appended; Ctrl-C stops.")
+@click.argument("replica_ids", metavar="[ID]...", nargs=-1, type=click.IntRange(1))
+@click.option("--controller", is_flag=True, help="The controller's log.")
+@click.option("--load-balancer", "--proxy", "load_balancer", is_flag=True,
+              help="The load balancer's log: the proxy of `sluice run`.")  # fmt: skip
+@click.option("--replica", "replica_opts", type=click.IntRange(1), metavar="ID",
+              multiple=True, help="A replica's log (the same as ID; repeatable).")  # fmt: skip
+@click.option("-f/", "--follow/--no-follow", default=True,
+              help="Keep printing what is appended until Ctrl-C (the default), or print the "
+              "log so far and exit.  [default: follow]")  # fmt: skip
+@click.option(
+    "--tail",
+    type=click.IntRange(0),
+    metavar="N",
+    help="Only the last N lines; then exit unless --follow is given.",
+)
 @_redis_options()
 def logs(
     name: str,
-    which: str | None,
-    replica_id: int | None,
+    replica_ids: tuple[int, ...],
+    controller: bool,
+    load_balancer: bool,
+    replica_opts: tuple[int, ...],
     follow: bool,
+    tail: int | None,
     redis_url: str | None,
     prefix: str,
     state_dir: Path,
 ) -> None:
-    """Print a log of service NAME: --controller, --proxy or --replica ID.
+    """Print logs of service NAME: --controller, --load-balancer, or replica IDs.
 
     Logs live under --state-dir: controller.log, NAME/proxy.log and, for replicas
     of the local backend, the path in the replica's handle (NAME/replica-ID.log).
+    Several logs are printed one after another, each under a `==> path <==` line,
+    and followed together.
 
     \b
     Examples:
-      sluice logs echo --replica 1 --follow
-      sluice logs echo --controller
+      sluice logs echo 1
+      sluice logs echo --controller --no-follow
+      sluice logs echo --load-balancer --tail 100
+      sluice logs echo 1 2 --no-follow
     """
-    if (which is not None) + (replica_id is not None) != 1:
-        raise click.UsageError("choose one of --controller, --proxy, --replica ID")
+    ctx = click.get_current_context()
+    if (
+        tail is not None
+        and ctx.get_parameter_source("follow") is click.core.ParameterSource.DEFAULT
+    ):
+        follow = False  # as `sky serve logs --tail N`: the last lines, then exit
     directory = _state_dir(state_dir)
-    if which == "controller":
-        path = directory / "controller.log"
-    elif which == "proxy":
-        path = directory / name / "proxy.log"
-    else:
-        assert replica_id is not None
-        path = _replica_log(_target(redis_url, prefix, state_dir), directory, name, replica_id)
-    if not path.is_file():
-        raise click.ClickException(f"no log at {path}")
+    paths: list[Path] = []
+    if controller:
+        paths.append(directory / "controller.log")
+    if load_balancer:
+        paths.append(directory / name / "proxy.log")
+    ids = list(dict.fromkeys([*replica_ids, *replica_opts]))
+    if ids:
+        target = _target(redis_url, prefix, state_dir)
+        paths += [_replica_log(target, directory, name, i) for i in ids]
+    if not paths:
+        raise click.UsageError("choose a log: --controller, --load-balancer, or replica IDs")
+    for path in paths:
+        if not path.is_file():
+            raise click.ClickException(f"no log at {path}")
     with contextlib.suppress(KeyboardInterrupt):
-        _print_file(path, follow)
+        _print_files(paths, follow=follow, tail=tail)
 
 
 def _replica_log(target: Target, state_dir: Path, name: str, replica_id: int) -> Path:
@@ -586,22 +813,61 @@ def _replica_log(target: Target, state_dir: Path, name: str, replica_id: int) ->
     return fallback
 
 
-def _print_file(path: Path, follow: bool) -> None:
-    """Copy the file to stdout; with `follow`, keep copying what is appended (tail -F)."""
+def _print_files(paths: list[Path], *, follow: bool, tail: int | None) -> None:
+    """Copy the files to stdout (the last `tail` lines of each); with `follow`, keep
+    copying what is appended to any of them (tail -F), a `==> path <==` line before
+    each change of file when there are several."""
     out = sys.stdout.buffer  # click.get_binary_stream is deprecated since click 8.5
-    with path.open("rb") as fh:
-        while True:
-            chunk = fh.read(65536)
-            if chunk:
+    with contextlib.ExitStack() as stack:
+        files = [(path, stack.enter_context(path.open("rb"))) for path in paths]
+        shown: Path | None = None
+        for path, fh in files:
+            if tail is not None:
+                _seek_last_lines(fh, tail)
+            while chunk := fh.read(65536):
+                if len(paths) > 1 and shown != path:
+                    out.write(f"{chr(10) if shown else ''}==> {path} <==\n".encode())
+                    shown = path
                 out.write(chunk)
-                continue
+        out.flush()
+        while follow:
+            idle = True
+            for path, fh in files:
+                with contextlib.suppress(OSError):
+                    if path.stat().st_size < fh.tell():
+                        fh.seek(0)  # truncated: start over
+                chunk = fh.read(65536)
+                if chunk:
+                    idle = False
+                    if len(paths) > 1 and shown != path:
+                        out.write(f"\n==> {path} <==\n".encode())
+                        shown = path
+                    out.write(chunk)
             out.flush()
-            if not follow:
-                return
-            with contextlib.suppress(OSError):
-                if path.stat().st_size < fh.tell():
-                    fh.seek(0)  # truncated: start over
-            time.sleep(_FOLLOW_POLL)  # a file has no change notification without inotify
+            if idle:
+                time.sleep(_FOLLOW_POLL)  # a file has no change notification without inotify
+
+
+def _seek_last_lines(fh: Any, lines: int) -> None:
+    """Position `fh` at the start of its last `lines` lines (a final newline ends a line)."""
+    end = fh.seek(0, os.SEEK_END)
+    if lines == 0:
+        return
+    pos, found, block = end, 0, 65536
+    while pos > 0:
+        step = min(block, pos)
+        pos -= step
+        fh.seek(pos)
+        data = fh.read(step)
+        if pos + step == end and data.endswith(b"\n"):
+            data = data[:-1]  # the newline that ends the last line starts nothing
+        for i in range(len(data) - 1, -1, -1):
+            if data[i] == 10:
+                found += 1
+                if found == lines:
+                    fh.seek(pos + i + 1)
+                    return
+    fh.seek(0)
 
 
 @cli.command()

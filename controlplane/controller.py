@@ -28,8 +28,9 @@ and written in ONE `Store.commit_with` (nothing written when nothing changed):
    (rolling: one old per new READY one; blue_green: all at once when the new
    version has min_replicas READY); retire surplus ones in scale-down order
    (earliest state, older version, larger id first; instance-aware: lowest
-   capacity before larger id). Launching stops for a
-   version once one of its replicas failed before it was ever ready;
+   capacity before larger id). Launching stops for a version that never
+   had a READY replica once one of its replicas failed for good before it
+   was ever ready (`rollout.gives_up_version`, Sky Serve's rule);
 6. drain and clean up: a retired replica is SHUTTING_DOWN (out of the ready
    set) for `drain_seconds` (no drain if it never was READY), then terminated
    and its record deleted; failed and PREEMPTED replicas are terminated at once
@@ -65,7 +66,7 @@ from controlplane.autoscaler import (
     QPS_WINDOW_SECONDS,
     fallback_plan,
 )
-from controlplane.backends.base import Launched, LaunchFailed, ReplicaBackend
+from controlplane.backends.base import Launched, LaunchFailed, ReplicaBackend, TaskFailed
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.models import (
@@ -82,6 +83,7 @@ from controlplane.rollout import (
     given_up_by,
     gives_up_version,
     plan_rollout,
+    ready_version,
     service_status,
 )
 from controlplane.scaling import Scaling
@@ -190,6 +192,7 @@ class _Plan:
     events: list[tuple[str, dict[str, str | int | float]]] = field(default_factory=list)
     terminate: list[int] = field(default_factory=list)
     status: ServiceStatus | None = None
+    ready_version: int = 0  # the record's, raised when the latest version is READY
     unregister: bool = False
     # Finished tasks whose outcome this plan records; forgotten once it is committed.
     done_launches: list[int] = field(default_factory=list)
@@ -222,8 +225,10 @@ class _Plan:
 
     @property
     def dirty(self) -> bool:
-        return bool(self.changed or self.launches) or (
-            self.status is not None and self.status is not self.record.status
+        return (
+            bool(self.changed or self.launches)
+            or (self.status is not None and self.status is not self.record.status)
+            or self.ready_version != self.record.ready_version
         )
 
 
@@ -432,7 +437,14 @@ class Controller:
         self, name: str, record: ServiceRecord, replicas: dict[int, ReplicaRecord]
     ) -> _Plan:
         now = self._clock()
-        plan = _Plan(name=name, record=record, base=dict(replicas), table=replicas, now=now)
+        plan = _Plan(
+            name=name,
+            record=record,
+            base=dict(replicas),
+            table=replicas,
+            now=now,
+            ready_version=record.ready_version,
+        )
         latest = await self._spec(record, record.version)
         specs = {record.version: latest}
         for replica in replicas.values():
@@ -443,6 +455,7 @@ class Controller:
         self._liveness(plan)
         self._probe(plan, specs)
         self._relabel(plan, specs, latest)
+        plan.ready_version = ready_version(record, plan.table.values())
         if record.status is ServiceStatus.SHUTTING_DOWN:
             for replica in list(plan.table.values()):
                 if replica.status in LIVE:
@@ -472,10 +485,14 @@ class Controller:
                     what = f"service {name}: launch of replica {replica_id} failed"
                     log.error(what, exc_info=exc)
                 if replica is not None:
-                    failed = msgspec.structs.replace(
-                        replica, status=ReplicaStatus.FAILED_PROVISION, status_since=now
-                    )
-                    plan.transition(Transition(failed, "failure", f"launch failed: {exc}"))
+                    # The task's own failure (setup) is the user's code failing, as a
+                    # process exit is; anything else is a provisioning failure, retried.
+                    if isinstance(exc, TaskFailed):
+                        status, reason = ReplicaStatus.FAILED, str(exc)
+                    else:
+                        status, reason = ReplicaStatus.FAILED_PROVISION, f"launch failed: {exc}"
+                    failed = msgspec.structs.replace(replica, status=status, status_since=now)
+                    plan.transition(Transition(failed, "failure", reason))
                 continue
             if replica is None:  # deleted meanwhile: nothing will ever route to it
                 plan.orphans.append((launch.backend, launch.task.result()))
@@ -496,7 +513,7 @@ class Controller:
                 plan.transition(Transition(cleanup, "failure", f"terminate failed: {exc}"))
                 continue
             plan.event("terminate", replica=replica.id, version=replica.version)
-            if gives_up_version(replica, plan.record.version):
+            if gives_up_version(replica, plan.record.version, plan.ready_version):
                 plan.put(msgspec.structs.replace(replica, handle={}))  # kept: says why
             else:
                 plan.delete(replica.id)
@@ -604,7 +621,7 @@ class Controller:
             bool(latest.run)
             and backend is not None
             and backend.can_launch
-            and given_up_by(plan.table.values(), record.version) is None
+            and given_up_by(plan.table.values(), record.version, plan.ready_version) is None
         )
         managed = [r for r in plan.table.values() if self._backend(r).can_launch]
         target = self._target(record, latest, plan.table, plan.now)
@@ -678,7 +695,7 @@ class Controller:
             ):
                 if replica.handle and self._backend(replica).can_launch:
                     plan.terminate.append(replica.id)
-                elif not gives_up_version(replica, plan.record.version):
+                elif not gives_up_version(replica, plan.record.version, plan.ready_version):
                     plan.delete(replica.id)
         if (
             plan.record.status is ServiceStatus.SHUTTING_DOWN
@@ -691,9 +708,8 @@ class Controller:
     # 7. service status
 
     def _service_status(self, plan: _Plan) -> None:
-        plan.status = service_status(
-            plan.record, plan.table.values(), launching=bool(plan.launches)
-        )
+        record = msgspec.structs.replace(plan.record, ready_version=plan.ready_version)
+        plan.status = service_status(record, plan.table.values(), launching=bool(plan.launches))
 
     # -- commit and side effects -------------------------------------------------------------
 
@@ -723,6 +739,7 @@ class Controller:
                 current,
                 status=plan.status if plan.status is not None else current.status,
                 next_replica_id=next_id,
+                ready_version=max(current.ready_version, plan.ready_version),
             )
             return Mutation(
                 replica_updates=(*updates, *launched),
@@ -930,8 +947,9 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
                 async with asyncio.timeout(ttl / 3):
                     renewed = await store.renew_lease(holder, ttl)
             except (StoreError, TimeoutError) as exc:
-                log.warning("controller %s: renewing the lease: %s", holder,
-                            exc or type(exc).__name__)
+                log.warning(
+                    "controller %s: renewing the lease: %s", holder, exc or type(exc).__name__
+                )
                 renewed = None
             if renewed is False:
                 return  # someone else holds it, or it expired

@@ -55,9 +55,10 @@ def versions(view: ServiceView) -> str:
     return ",".join(str(v) for v in view.active_versions) or _NONE
 
 
-def services_table(views: Sequence[ServiceView], now: float) -> str:
+def services_table(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
     """Sky Serve's service columns: name, version(s) active, uptime, status, ready/total
-    replicas, endpoint."""
+    replicas, endpoint; `verbose` adds the policy and the update mode."""
+    headers = ["NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT"]
     rows = [
         [
             v.name,
@@ -67,13 +68,14 @@ def services_table(views: Sequence[ServiceView], now: float) -> str:
             f"{v.ready}/{v.total}",
             v.endpoint or _NONE,
         ]
+        + ([v.policy, v.update_mode] if verbose else [])
         for v in views
     ]
-    return table(["NAME", "VERSION", "UPTIME", "STATUS", "REPLICAS", "ENDPOINT"], rows)
+    return table(headers + (["POLICY", "UPDATE_MODE"] if verbose else []), rows)
 
 
-def _replica_row(service: str, r: ReplicaView, now: float) -> list[str]:
-    return [
+def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False) -> list[str]:
+    row = [
         service,
         str(r.id),
         str(r.version),
@@ -81,12 +83,20 @@ def _replica_row(service: str, r: ReplicaView, now: float) -> list[str]:
         ago(r.launched_at, now),
         r.status,
     ]
+    if verbose:
+        row += [r.backend, r.accelerator or _NONE, "yes" if r.spot else "no",
+                ago(r.first_ready_at, now)]  # fmt: skip
+    return row
 
 
-def replicas_table(views: Sequence[ServiceView], now: float) -> str:
-    """Every replica of `views`: service, id, version, endpoint, launched, status."""
-    rows = [_replica_row(v.name, r, now) for v in views for r in v.replicas]
-    return table(["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+def replicas_table(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
+    """Every replica of `views`: service, id, version, endpoint, launched, status;
+    `verbose` adds backend, accelerator, spot and when it was first ready."""
+    headers = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"]
+    if verbose:
+        headers += ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
+    rows = [_replica_row(v.name, r, now, verbose) for v in views for r in v.replicas]
+    return table(headers, rows)
 
 
 def scaling_line(view: ServiceView) -> str:
@@ -106,18 +116,19 @@ def scaling_line(view: ServiceView) -> str:
     return line
 
 
-def status_text(views: Sequence[ServiceView], now: float) -> str:
-    """What `sluice status` prints: the services, why any stopped launching, the replicas."""
+def status_text(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
+    """What `sluice status` prints: the services, why any stopped launching, the replicas
+    (`verbose`: `sluice status -v`, more columns)."""
     if not views:
         return "No services."
-    parts = ["Services", services_table(views, now)]
+    parts = ["Services", services_table(views, now, verbose=verbose)]
     notes = [f"{v.name}: {scaling_line(v)}" for v in views if v.autoscaling]
     notes += [f"{v.name}: {v.launch_blocked}" for v in views if v.launch_blocked]
     if notes:
         parts += ["", *notes]
     parts += ["", "Service Replicas"]
     if any(v.replicas for v in views):
-        parts.append(replicas_table(views, now))
+        parts.append(replicas_table(views, now, verbose=verbose))
     else:
         parts.append("No replicas.")
     return "\n".join(parts)

@@ -102,6 +102,9 @@ class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
     min_replicas: dict[int, int] = {}
     # The id the next replica of this service gets; ids are never reused.
     next_replica_id: int = 1
+    # The latest version that ever had a READY replica (Sky Serve's
+    # latest_version_ever_ready): a version that served is never given up.
+    ready_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or ":" in self.name or any(c.isspace() for c in self.name):
@@ -129,6 +132,8 @@ class ReplicaRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     target_qps: float | None = None
     launched_at: float | None = None
     first_ready_at: float | None = None
+    # The first failed probe of a replica never READY: its initial delay counts from here.
+    first_not_ready_at: float | None = None
     status_since: float | None = None  # when `status` last changed (drain timing)
     failures: int = 0  # consecutive failed probes
 

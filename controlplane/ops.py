@@ -1,5 +1,5 @@
-"""What the ops commands do: `up`, `update`, `down`, `replica add|remove|preempt`,
-`status`.
+"""What the ops commands do: `up`, `update`, `down` (of services or one replica),
+`replica add|remove|preempt`, `status`.
 
 They talk to Redis only (through `Store`) and nudge the controller, which does
 the work: launching, probing, draining, terminating. Every write is a
@@ -11,19 +11,23 @@ Errors (besides the store's ServiceNotFound / ServiceExists / StoreUnavailable):
     OpsError
     ├── ServiceShuttingDown   the service is being taken down; it takes no changes
     ├── ReplicaExists         `add_replica` of a URL the service already routes to
-    └── ReplicaNotFound       `remove_replica` of a URL it has no external replica for,
-                              `preempt_replica` of an id it has no live replica for
+    ├── ReplicaNotFound       `remove_replica` of a URL it has no external replica for,
+    │                         `preempt_replica` / `terminate_replica` of an unknown id
+    └── ReplicaBusy           `terminate_replica` of one shutting down, or failed
+                              without `purge`
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import time
 from collections.abc import Callable
 
 import msgspec
 
 from controlplane.autoscaler import Autoscaler
+from controlplane.backends.local import check_fixed_port
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
     AutoscalerStatus,
@@ -33,6 +37,7 @@ from controlplane.models import (
     ServiceStatus,
     UpdateMode,
 )
+from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
 from controlplane.store import Mutation, ServiceNotFound, Store
 from proxy.errors import SluiceError
@@ -55,6 +60,10 @@ class ReplicaExists(OpsError):
 
 class ReplicaNotFound(OpsError):
     """The service has no external replica at that URL."""
+
+
+class ReplicaBusy(OpsError):
+    """The replica cannot be taken down now (shutting down, or failed without purge)."""
 
 
 class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,8 +120,10 @@ async def up(
 
     `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
     Returns the stored record. Raises ServiceExists if the name is taken,
-    ValueError for an invalid name.
+    ValueError for an invalid name, PortConflict for local replicas that would
+    share a fixed port.
     """
+    check_fixed_port(spec)
     record = ServiceRecord(
         name=name,
         status=ServiceStatus.CONTROLLER_INIT,
@@ -139,8 +150,11 @@ async def update(
     The spec and the version bump are written in one transaction; the
     controller then relabels (count-only change) or rolls out new replicas
     (`mode`: rolling or blue_green; default: the service's current mode).
-    Raises ServiceNotFound, ServiceShuttingDown.
+    Raises ServiceNotFound, ServiceShuttingDown, PortConflict (a new local replica
+    would need the fixed port the running one holds).
     """
+    current_raw = await store.spec(name, (await _record(store, name)).version)
+    check_fixed_port(spec, ServiceSpec.from_json(current_raw) if current_raw else None)
     payload = spec.to_json()
     new_version = 0
 
@@ -167,11 +181,42 @@ async def update(
     return new_version
 
 
-async def down(store: Store, name: str) -> None:
+async def match_services(store: Store, patterns: list[str]) -> list[str]:
+    """The services named by `patterns` (exact names or globs: `*`, `?`, `[...]`), sorted,
+    each once. Raises ServiceNotFound naming the first pattern that matches nothing
+    (before anything is done to any of them)."""
+    names = await store.services()
+    chosen: set[str] = set()
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            found = fnmatch.filter(names, pattern)
+        else:
+            found = [pattern] if pattern in names else []
+        if not found:
+            what = " matches" if any(c in pattern for c in "*?[") else ""
+            raise ServiceNotFound(f"no service{what} {pattern!r}")
+        chosen.update(found)
+    return sorted(chosen)
+
+
+async def down(store: Store, name: str, *, purge: bool = False) -> list[ReplicaRecord]:
     """Mark service `name` SHUTTING_DOWN and nudge the controller, which drains and
     terminates every replica, then unregisters the service. Returns at once (use
     `wait_for` or poll `store.services()` to see it gone). Raises ServiceNotFound.
+
+    `purge` (Sky Serve's `down --purge`): a service already SHUTTING_DOWN, which the
+    controller could not finish (none runs, or a replica's cleanup keeps failing), is
+    removed from Redis at once. Returns the replicas it still listed: their processes
+    may be left running. Otherwise `purge` changes nothing and [] is returned.
     """
+    if purge:
+        record = await store.service(name)
+        if record is None:
+            raise ServiceNotFound(f"no service {name!r}")
+        if record.status is ServiceStatus.SHUTTING_DOWN:
+            left = [r for r in (await store.replicas(name)).values() if r.handle]
+            await store.unregister_service(name)
+            return left
 
     def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> Mutation:
         if current.status is ServiceStatus.SHUTTING_DOWN:
@@ -183,6 +228,49 @@ async def down(store: Store, name: str) -> None:
     await store.commit_with(name, plan)
     await store.append_event(name, "down")
     await store.nudge(name)
+    return []
+
+
+async def terminate_replica(
+    store: Store, name: str, replica_id: int, *, purge: bool = False
+) -> str:
+    """Take replica `replica_id` of service `name` down (Sky Serve's `down --replica-id`).
+
+    A live replica leaves the ready set at once (SHUTTING_DOWN); the controller drains
+    and stops it (an external one is only forgotten) and, as for any replica that
+    leaves, launches a replacement if the target asks for one. A failed replica is
+    refused unless `purge`, which removes its record (and so lets a version it had
+    given up launch again). Returns "terminated" or "purged". Raises ServiceNotFound,
+    ReplicaNotFound, ReplicaBusy.
+    """
+    action = "terminated"
+
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+        nonlocal action
+        replica = replicas.get(replica_id)
+        if replica is None:
+            raise ReplicaNotFound(f"service {name!r} has no replica {replica_id}")
+        if replica.status is ReplicaStatus.SHUTTING_DOWN:
+            raise ReplicaBusy(f"replica {replica_id} of {name!r} is already shutting down")
+        if replica.status in FAILED_REPLICA_STATUSES or replica.status is ReplicaStatus.PREEMPTED:
+            if not purge:
+                raise ReplicaBusy(
+                    f"replica {replica_id} of {name!r} is in failed status "
+                    f"({replica.status.value}); use --purge to remove it"
+                )
+            action = "purged"
+            if not replica.handle:  # nothing left to stop: forget it now
+                return Mutation(replica_deletes=(replica_id,))
+        # No timestamp: the controller stamps status_since with its own clock.
+        leaving = msgspec.structs.replace(
+            replica, status=ReplicaStatus.SHUTTING_DOWN, status_since=None
+        )
+        return Mutation(replica_updates=(leaving,))
+
+    await store.commit_with(name, plan)
+    await store.append_event(name, "drain", {"replica": replica_id, "reason": action})
+    await store.nudge(name)
+    return action
 
 
 async def add_replica(
@@ -361,16 +449,7 @@ async def _view(store: Store, name: str) -> ServiceView | None:
         if event.kind == EVENT_FAILURE:
             last_failure = event.fields.get("reason", "failed")
             break
-    blocked = next(
-        (
-            r
-            for r in replicas
-            if r.version == record.version
-            and r.status in FAILED_REPLICA_STATUSES
-            and r.first_ready_at is None
-        ),
-        None,
-    )
+    blocked = given_up_by(replicas, record.version, ready_version(record, replicas))
     launch_blocked = None
     if blocked is not None:
         launch_blocked = (

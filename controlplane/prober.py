@@ -9,13 +9,17 @@ run concurrently; a slow replica never holds up a step, and so never holds up a
 commit. A finished probe calls `on_result`, which wakes the controller.
 
 A probe is a GET of the readiness path (a POST of `post_data` when set) with
-the probe's headers; READY iff the answer is HTTP 200.
+the probe's headers; READY iff the answer is HTTP 200. Redirects are followed,
+as Sky Serve's `requests` call does (a 301/302/303 answer to a POST is followed
+with a GET, as there), fewer than `MAX_REDIRECTS` in a row, all within the probe's
+one timeout.
 
 `apply_probe` and `apply_exit` are the state machine (Sky Serve's semantics),
 pure functions of a record, a result and the time:
 - 200: READY (first_ready_at set on the first one), failure count reset.
 - failure, never READY before: stays STARTING until `initial_delay_seconds`
-  after launch, then FAILED_INITIAL_DELAY.
+  after its first failed probe (`first_not_ready_at`; Sky Serve's
+  `first_not_ready_time`), then FAILED_INITIAL_DELAY.
 - failure after having been READY: NOT_READY (out of the ready set) at once;
   FAILED_PROBING once failures have lasted longer than
   `consecutive_failure_threshold_timeout`.
@@ -37,6 +41,10 @@ from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.spec import ReadinessProbe
 
 log = logging.getLogger("sluice.prober")
+
+#: Redirects a probe follows (requests, which Sky Serve's prober uses, allows 30; a
+#: readiness path needs one or two).
+MAX_REDIRECTS = 10
 
 #: Statuses whose replicas are probed.
 PROBED = frozenset({ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY})
@@ -189,7 +197,7 @@ class Prober:
                 data=body,
                 headers=headers,
                 timeout=timeout,
-                allow_redirects=False,
+                max_redirects=MAX_REDIRECTS,
             ) as resp:
                 return resp.status == 200, str(resp.status)
         except TimeoutError:
@@ -232,8 +240,11 @@ def apply_probe(
         )
         return Transition(ready, "ready")
     if replica.first_ready_at is None:
-        started = replica.launched_at if replica.launched_at is not None else now
-        if can_fail and now - started > probe.initial_delay_seconds:
+        # Sky Serve (replica_managers.py, `_probe_all_replicas`) times the initial delay
+        # from the first failed probe, not from the launch.
+        if replica.first_not_ready_at is None:
+            return Transition(replace(replica, first_not_ready_at=now))
+        if can_fail and now - replica.first_not_ready_at > probe.initial_delay_seconds:
             reason = (
                 f"not ready within initial_delay_seconds={probe.initial_delay_seconds:g} "
                 f"(last probe: {result.detail})"

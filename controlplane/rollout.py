@@ -6,8 +6,13 @@ the controller applies what they decide. Sky Serve's semantics:
 - target: `replicas: N`, or `replica_policy.min_replicas` (`target_replicas`
   is the seam the autoscaler plugs into);
 - launch latest-version replicas up to the target, unless the latest version
-  is given up: one of its replicas failed before it was ever READY (its
-  process exited, its launch failed, or the initial delay ran out);
+  is given up: it has never had a READY replica (`ServiceRecord.ready_version`)
+  and one of its replicas failed for good before being READY (its process or
+  its setup exited, or the initial delay ran out). A failed launch
+  (FAILED_PROVISION) gives nothing up, and neither does any failure once the
+  version has served: Sky Serve's `latest_version_ever_ready` rule
+  (autoscalers.py, `generate_scaling_decisions`) and
+  `ReplicaStatusProperty.unrecoverable_failure` (replica_managers.py);
 - old-version replicas leave as the new version takes over. rolling: one per
   READY new replica (the old ones kept = target - new READY ones);
   blue_green: all together, once the new version has its min_replicas READY;
@@ -43,10 +48,10 @@ LIVE = frozenset(
         ReplicaStatus.NOT_READY,
     }
 )
-#: Failures that give a version up when they hit a replica that was never READY.
-UNRECOVERABLE = frozenset(
-    {ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY, ReplicaStatus.FAILED_PROVISION}
-)
+#: Failures that give up a version that never served, when they hit a replica that was
+#: never READY: the user's code failed (Sky's `user_app_failed`) or the initial delay ran
+#: out (`first_ready_time == -1`). Not FAILED_PROVISION: Sky retries failed launches.
+UNRECOVERABLE = frozenset({ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY})
 _STARTING_UP = frozenset(
     {
         ReplicaStatus.PENDING,
@@ -79,18 +84,31 @@ def target_replicas(
     return spec.min_replicas
 
 
-def gives_up_version(replica: ReplicaRecord, version: int) -> bool:
-    """True if `replica` failed for good before ever being READY, in `version`."""
+def gives_up_version(replica: ReplicaRecord, version: int, ready_version: int) -> bool:
+    """True if `replica` failed for good before ever being READY, in `version`, and
+    `version` never had a READY replica (`ready_version`: the latest version that had)."""
     return (
-        replica.version == version
+        ready_version < version
+        and replica.version == version
         and replica.status in UNRECOVERABLE
         and replica.first_ready_at is None
     )
 
 
-def given_up_by(replicas: Iterable[ReplicaRecord], version: int) -> ReplicaRecord | None:
+def given_up_by(
+    replicas: Iterable[ReplicaRecord], version: int, ready_version: int
+) -> ReplicaRecord | None:
     """The replica whose failure stops launches of `version`, if any."""
-    return next((r for r in replicas if gives_up_version(r, version)), None)
+    return next((r for r in replicas if gives_up_version(r, version, ready_version)), None)
+
+
+def ready_version(record: ServiceRecord, replicas: Iterable[ReplicaRecord]) -> int:
+    """`record.ready_version`, raised to the latest version if one of its replicas is READY."""
+    if record.ready_version < record.version and any(
+        r.version == record.version and r.status is ReplicaStatus.READY for r in replicas
+    ):
+        return record.version
+    return record.ready_version
 
 
 def scale_down_order(
@@ -168,7 +186,7 @@ def service_status(
         return ServiceStatus.READY
     if launching or any(r.status in _STARTING_UP for r in table):
         return ServiceStatus.REPLICA_INIT
-    if given_up_by(table, record.version) is not None:
+    if given_up_by(table, record.version, ready_version(record, table)) is not None:
         return ServiceStatus.FAILED
     return ServiceStatus.NO_REPLICA
 

@@ -44,6 +44,7 @@ from typing import IO, TextIO
 import msgspec
 
 from controlplane import ops, processes
+from controlplane.backends.local import check_fixed_port, fixed_port
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, ServiceStatus
 from controlplane.redisserver import EmbeddedRedis
@@ -133,6 +134,17 @@ class ServiceRun:
         """Start everything, serve until a signal, stop everything. Returns the exit code;
         raises RunError (and the store's errors) after stopping what it started."""
         config = self._config
+        # Errors before anything starts: a missing key or cert, a fixed replica port
+        # several replicas (or the proxy) would need.
+        tls_files(config.spec)
+        check_fixed_port(config.spec)
+        replica_port = fixed_port(config.spec)
+        if replica_port is not None and replica_port == config.port:
+            raise RunError(
+                f"the proxy's --port {config.port} is the port the replica listens on "
+                "(service.ports; the run command does not use $PORT); give the proxy "
+                "another --port"
+            )
         config.state_dir.mkdir(parents=True, exist_ok=True)
         other = read_run_info(config.state_dir)
         if other is not None and other.pid != os.getpid():
@@ -423,8 +435,9 @@ class ServiceRun:
                 "--admin-port", str(admin_port), "--shutdown-grace", f"{config.stop_timeout / 2:g}",
                 "--stream-idle-timeout", f"{service.load_balancer.stream_timeout_seconds:g}",
                 "--log-level", config.log_level]  # fmt: skip
-        if service.tls is not None:
-            argv += ["--tls-certfile", service.tls.certfile, "--tls-keyfile", service.tls.keyfile]
+        tls = tls_files(config.spec)
+        if tls is not None:
+            argv += ["--tls-certfile", str(tls[0]), "--tls-keyfile", str(tls[1])]
         self._spawn("proxy", argv)
 
     def _write_info(self) -> None:
@@ -433,6 +446,22 @@ class ServiceRun:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(msgspec.json.encode(self._info))
         tmp.replace(path)
+
+
+def tls_files(spec: ServiceSpec) -> tuple[Path, Path] | None:
+    """The spec's `service.tls` (certfile, keyfile) as absolute paths, `~` expanded (Sky
+    Serve expands them too: serve_utils.TLSCredential); None without TLS. Raises RunError
+    naming the field when a file is missing."""
+    tls = spec.service.tls
+    if tls is None:
+        return None
+    paths = []
+    for field, given in (("certfile", tls.certfile), ("keyfile", tls.keyfile)):
+        path = Path(given).expanduser().absolute()
+        if not path.is_file():
+            raise RunError(f"service.tls.{field}: no file at {path} (given as {given!r})")
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def run_service(config: RunConfig, *, out: TextIO | None = None) -> int:

@@ -473,11 +473,17 @@ def _check_probe_path(path: str, field: str) -> None:
 # The boundary: YAML text or a mapping in, a ServiceSpec or one SpecError out.
 
 
-def load_spec(path_or_text: str | os.PathLike[str]) -> ServiceSpec:
+def load_spec(
+    path_or_text: str | os.PathLike[str],
+    *,
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> ServiceSpec:
     """Load a service YAML from a file or from YAML text.
 
     A PathLike is always a file. A str is YAML text when it holds a newline
-    or starts with "{" (flow style), otherwise a file path.
+    or starts with "{" (flow style), otherwise a file path. `envs` and
+    `secrets` override the YAML's (the CLI's --env / --secret), see `parse_spec`.
     """
     if isinstance(path_or_text, str) and (
         "\n" in path_or_text or path_or_text.lstrip().startswith("{")
@@ -496,11 +502,24 @@ def load_spec(path_or_text: str | os.PathLike[str]) -> ServiceSpec:
         raise SpecError("$", _yaml_reason(exc), source=source) from exc
     except RecursionError as exc:
         raise SpecError("$", "invalid YAML: nested too deeply", source=source) from exc
-    return parse_spec(data, source=source)
+    return parse_spec(data, source=source, envs=envs, secrets=secrets)
 
 
-def parse_spec(mapping: Mapping[str, Any], *, source: str | None = None) -> ServiceSpec:
-    """Validate a parsed service YAML (a mapping) into a ServiceSpec."""
+def parse_spec(
+    mapping: Mapping[str, Any],
+    *,
+    source: str | None = None,
+    envs: Mapping[str, str] | None = None,
+    secrets: Mapping[str, str] | None = None,
+) -> ServiceSpec:
+    """Validate a parsed service YAML (a mapping) into a ServiceSpec.
+
+    As SkyPilot's `Task.from_yaml_config`: `envs` / `secrets` (the CLI's --env,
+    --secret) override the YAML's entries of the same name (so a YAML may leave
+    a value empty for the command line to fill), then `$VAR` / `${VAR}` in
+    `service`, `file_mounts`, `workdir` and `volumes` are replaced by the
+    value of that env or secret (`fill_in_env_vars`).
+    """
     if not isinstance(mapping, Mapping):
         kind = "nothing" if mapping is None else type(mapping).__name__
         raise SpecError(
@@ -510,9 +529,21 @@ def parse_spec(mapping: Mapping[str, Any], *, source: str | None = None) -> Serv
         )
     data = dict(mapping)
     _reject_unsupported(data, source)
-    for key in ("envs", "secrets"):
+    for key, overrides in (("envs", envs), ("secrets", secrets)):
+        if overrides and (data.get(key) is None or isinstance(data.get(key), Mapping)):
+            data[key] = {**(data.get(key) or {}), **overrides}
         if isinstance(data.get(key), Mapping):
             data[key] = _env_values(data[key], key, source)
+    values = {
+        name: value
+        for key in ("envs", "secrets")  # a secret wins over an env of the same name
+        if isinstance(data.get(key), Mapping)
+        for name, value in data[key].items()
+        if isinstance(name, str) and isinstance(value, str)
+    }
+    for key in _SUBSTITUTED:
+        if data.get(key) is not None and values:
+            data[key] = fill_in_env_vars(data[key], values)
     try:
         spec = msgspec.convert(data, ServiceSpec)
         # Normalise through JSON (what Redis holds), e.g. YAML dates in
@@ -522,6 +553,36 @@ def parse_spec(mapping: Mapping[str, Any], *, source: str | None = None) -> Serv
         raise _translate(str(exc), data, source) from exc
     except (TypeError, msgspec.EncodeError) as exc:
         raise SpecError("$", f"cannot be stored as JSON ({exc})", source=source) from exc
+
+
+#: Sections where `$VAR` is replaced, as in SkyPilot's Task.from_yaml_config.
+_SUBSTITUTED = ("file_mounts", "service", "workdir", "volumes")
+# SkyPilot's pattern (sky/task.py `_fill_in_env_vars`), ASCII as its JSON text is.
+_ENV_VAR = re.compile(r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?", re.ASCII)
+
+
+def fill_in_env_vars(value: Any, values: Mapping[str, str]) -> Any:
+    """`value` with `$NAME` and `${NAME}` replaced by `values[NAME]` in every string
+    (mapping keys too); names not in `values` are left as they are.
+
+    SkyPilot 0.14.1 (`sky/task.py`, `_fill_in_env_vars`) runs the same regex over
+    the section dumped as JSON text and parses the result back, which breaks on a
+    value holding a quote or a backslash; replacing inside each string gives the
+    same result without that failure.
+    """
+    match value:
+        case str():
+            return _ENV_VAR.sub(lambda m: values.get(m[1], m[0]), value)
+        case Mapping():
+            return {
+                fill_in_env_vars(k, values) if isinstance(k, str) else k: fill_in_env_vars(
+                    v, values
+                )
+                for k, v in value.items()
+            }
+        case list():
+            return [fill_in_env_vars(item, values) for item in value]
+    return value
 
 
 def _reject_unsupported(data: dict[str, Any], source: str | None) -> None:

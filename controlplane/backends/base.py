@@ -9,7 +9,9 @@ from a dead one carries on with the replicas it finds in Redis (adoption).
 Backends never touch Redis and never decide anything: the controller does.
 
     BackendError
-    └── LaunchFailed    the replica could not be started (setup failed, no port ...)
+    └── LaunchFailed    the replica could not be started (FAILED_PROVISION; retried)
+        └── TaskFailed  the task itself failed: its setup exited non-zero, its workdir
+                        is missing (FAILED: Sky's FAILED_SETUP, a user-code failure)
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class BackendError(SluiceError):
 
 class LaunchFailed(BackendError):
     """A replica could not be launched; the message is the reason shown by `status`."""
+
+
+class TaskFailed(LaunchFailed):
+    """The user's task failed before it could run (setup exited non-zero ...): like a
+    replica process that exited, it gives up a version that never served."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,16 @@
 """The local backend: each replica is a process group on this machine.
 
+Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless the spec names a
+port (`service.ports`, or the one `resources.ports`) and its run command spells that
+port out (after `$VAR` from envs and secrets) without using `$PORT`: a Sky Serve
+YAML such as `vllm serve --port 8080`, whose replica listens on that fixed port
+whatever sluice says. (A program that reads the PORT variable itself, like
+examples/echo_server.py, is not fixed: its run command names no port.) That replica is run with
+`PORT` set to the fixed port and probed and routed there; `check_fixed_port`
+refuses (at `up`, `update`, `run`) a spec that could need two replicas on it at
+once, so the mistake is one error instead of a replica probed on the wrong port
+until its initial delay runs out.
+
 Per version, the task's `setup` runs once (`bash -c`, in `workdir`, logged to
 `{state_dir}/{service}/setup-v{version}.log`; a marker file keyed by the spec's
 task fields keeps it from running twice, across controller restarts too). Per
@@ -26,16 +37,18 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from controlplane import processes
-from controlplane.backends.base import Launched, LaunchFailed
+from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
 from controlplane.models import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
 
 log = logging.getLogger("sluice.backend.local")
 
@@ -44,6 +57,52 @@ _POLL = 0.05  # how often terminate() looks whether the process group is gone
 # Runs the task in its workdir; `exec` keeps the pid, so pid == process group id.
 _LAUNCHER = 'cd -- "$0" || exit 97; exec bash -c "$1"'
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+
+_USES_PORT = re.compile(r"\$\{?PORT\b")
+
+
+class PortConflict(BackendError):
+    """Local replicas of a spec would need the same fixed port at once."""
+
+
+def fixed_port(spec: ServiceSpec) -> int | None:
+    """The port a local replica of `spec` listens on whatever sluice says: the spec's
+    port when its run command names it (`--port 8080`, `0.0.0.0:8080`, `--port $P` with
+    `envs: {P: 8080}`) and does not use `$PORT`; None when each replica gets a free
+    port."""
+    port = spec.replica_port
+    if port is None or not spec.run or _USES_PORT.search(spec.run):
+        return None
+    run = fill_in_env_vars(spec.run, {**spec.envs, **spec.secrets})
+    return port if re.search(rf"(?<![\w.]){port}(?![\w.])", run) else None
+
+
+def check_fixed_port(spec: ServiceSpec, previous: ServiceSpec | None = None) -> None:
+    """Raise PortConflict when local replicas of `spec` could need its fixed port twice at
+    once: more than one replica, or (`previous`: the version it updates) a new replica
+    started while the old one, on the same fixed port, still runs."""
+    port = fixed_port(spec)
+    if port is None:
+        return
+    why = (
+        f"service.ports: the replicas listen on the fixed port {port} (the run command "
+        "does not use $PORT), so only one local replica at a time can serve"
+    )
+    fix = "listen on $PORT instead (sluice sets it for each replica)"
+    scaling = spec.service.scaling
+    most = spec.max_replicas + scaling.num_overprovision + scaling.base_ondemand_fallback_replicas
+    if most > 1 or scaling.dynamic_ondemand_fallback:
+        raise PortConflict(f"{why}, but this spec runs up to {most}; {fix}, or run one replica")
+    if (
+        previous is not None
+        and fixed_port(previous) == port
+        and not is_count_only_change(previous, spec)
+    ):
+        raise PortConflict(
+            f"{why}: the new version's replica cannot start while the old one holds the "
+            f"port; {fix}, or take the service down and up again"
+        )
 
 
 class LocalBackend:
@@ -99,7 +158,13 @@ class LocalBackend:
         env = self._env(spec)
         if spec.setup:
             await self._setup(service, version, spec, workdir, env)
-        port = processes.free_port(HOST)
+        port = fixed_port(spec)
+        if port is None:
+            port = processes.free_port(HOST)
+        elif not _bindable(port):
+            raise TaskFailed(
+                f"port {port} (service.ports; the run command does not use $PORT) is in use"
+            )
         log_path = directory / f"replica-{replica_id}.log"
         env.update(
             PORT=str(port),
@@ -178,7 +243,7 @@ class LocalBackend:
     def _workdir(self, spec: ServiceSpec) -> Path:
         workdir = self._base_dir / spec.workdir if spec.workdir else self._base_dir
         if not workdir.is_dir():
-            raise LaunchFailed(f"workdir {str(workdir)!r} is not a directory")
+            raise TaskFailed(f"workdir {str(workdir)!r} is not a directory")
         return workdir
 
     def _env(self, spec: ServiceSpec) -> dict[str, str]:
@@ -246,8 +311,19 @@ class LocalBackend:
             await proc.wait()
             raise
         if code != 0:
-            raise LaunchFailed(f"setup of version {version} exited with code {code} "
+            raise TaskFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
+
+
+def _bindable(port: int) -> bool:
+    """True when nothing listens on `port` (any IPv4 address) right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 def _pid(handle: Handle) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -221,16 +223,24 @@ def test_run_refuses_an_existing_service(
     assert not (state / "controller.log").exists()  # no process was started
 
 
-def test_logs_needs_exactly_one_source(tmp_path: Path) -> None:
-    for args in (["logs", "svc"], ["logs", "svc", "--controller", "--replica", "1"]):
-        result = sluice(*args, "--state-dir", str(tmp_path))
-        assert result.exit_code == 2
-        assert "choose one of" in result.stderr
-
-
-def test_status_endpoint_needs_a_name(ops_args: list[str]) -> None:
-    result = sluice("status", "--endpoint", *ops_args)
+def test_logs_needs_a_source(tmp_path: Path) -> None:
+    result = sluice("logs", "svc", "--state-dir", str(tmp_path))
     assert result.exit_code == 2
+    assert "choose a log" in result.stderr
+
+
+def test_status_endpoint_without_a_name_needs_exactly_one_service(ops_args: list[str]) -> None:
+    # As `sky serve status --endpoint`: the only service's endpoint, else a usage error.
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 2 and "No services found" in result.stderr
+    up = sluice("up", str(ECHO), "-n", "one", "--endpoint", "http://127.0.0.1:8080", *ops_args)
+    assert up.exit_code == 0, up.output
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "http://127.0.0.1:8080\n"
+    assert sluice("up", str(ECHO), "-n", "two", *ops_args).exit_code == 0
+    result = sluice("status", "--endpoint", *ops_args)
+    assert result.exit_code == 2 and "2 services found" in result.stderr
 
 
 def test_proxy_is_sluice_proxy() -> None:
@@ -286,7 +296,7 @@ def test_update_and_down(echo_up: list[str]) -> None:
 
     assert sluice("update", "echo", str(ECHO), "--mode", "sideways", *echo_up).exit_code == 2
 
-    result = sluice("down", "echo", *echo_up)
+    result = sluice("down", "echo", "-y", *echo_up)
     assert result.exit_code == 0, result.output
     [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
     assert view["status"] == "SHUTTING_DOWN"
@@ -352,13 +362,189 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
             await store.commit("echo", replica_updates=[record])
 
     asyncio.run(add_local_replica())
-    assert sluice("logs", "echo", "--controller", *echo_up).stdout == "controller line\n"
-    assert sluice("logs", "echo", "--proxy", *echo_up).stdout == "proxy line\n"
+    args = ["--no-follow", *echo_up]
+    assert sluice("logs", "echo", "--controller", *args).stdout == "controller line\n"
+    assert sluice("logs", "echo", "--proxy", *args).stdout == "proxy line\n"
     # The handle's log path when the record has one; the backend's default path otherwise.
-    assert sluice("logs", "echo", "--replica", "3", *echo_up).stdout == "replica three\n"
-    assert sluice("logs", "echo", "--replica", "2", *echo_up).stdout == "replica two\n"
-    assert_one_line_error(sluice("logs", "echo", "--replica", "9", *echo_up), "no replica 9")
-    assert_one_line_error(sluice("logs", "other", "--proxy", *echo_up), "no log at")
+    assert sluice("logs", "echo", "--replica", "3", *args).stdout == "replica three\n"
+    assert sluice("logs", "echo", "--replica", "2", *args).stdout == "replica two\n"
+    assert_one_line_error(sluice("logs", "echo", "--replica", "9", *args), "no replica 9")
+    assert_one_line_error(sluice("logs", "other", "--proxy", *args), "no log at")
+
+    # `sky serve logs` spellings: --load-balancer, replica IDs as arguments, --tail N.
+    assert sluice("logs", "echo", "--load-balancer", *args).stdout == "proxy line\n"
+    assert sluice("logs", "echo", "2", *args).stdout == "replica two\n"
+    (state / "controller.log").write_text("".join(f"line {i}\n" for i in range(1, 6)))
+    tail = sluice("logs", "echo", "--controller", "--tail", "2", *echo_up)  # no follow
+    assert tail.exit_code == 0 and tail.stdout == "line 4\nline 5\n"
+    assert sluice("logs", "echo", "--controller", "--tail", "0", *echo_up).stdout == ""
+    assert sluice("logs", "echo", "--controller", "--tail", "9", *echo_up).stdout.count("line") == 5
+    both = sluice("logs", "echo", "2", "3", *args).stdout
+    assert both == (
+        f"==> {state / 'echo' / 'replica-2.log'} <==\nreplica two\n"
+        f"\n==> {elsewhere} <==\nreplica three\n"
+    )
+    assert sluice("logs", "echo", "--tail", "-1", "2", *args).exit_code == 2
+
+
+def _spec_of(url: str, prefix: str, name: str, version: int = 1) -> dict[str, Any]:
+    async def main() -> bytes | None:
+        async with Store.from_url(url, prefix=prefix) as store:
+            return await store.spec(name, version)
+
+    raw = asyncio.run(main())
+    assert raw is not None
+    decoded: dict[str, Any] = json.loads(raw)
+    return decoded
+
+
+def _statuses(ops_args: list[str]) -> dict[str, str]:
+    result = sluice("status", "--json", *ops_args)
+    assert result.exit_code == 0, result.output
+    return {v["name"]: v["status"] for v in json.loads(result.stdout)}
+
+
+LLM_YAML = """\
+service:
+  readiness_probe:
+    path: /v1/chat/completions
+    post_data: {model: $MODEL_NAME, max_tokens: 1}
+    headers: {Authorization: Bearer $API_KEY}
+  replicas: 1
+envs:
+  MODEL_NAME: small
+  HF_TOKEN:
+run: serve --model $MODEL_NAME
+"""
+
+
+def test_up_env_and_secret_overrides_fill_the_yaml(
+    tmp_path: Path, ops_args: list[str], redis_url: str, redis_prefix: str
+) -> None:
+    yaml_file = tmp_path / "llm.yaml"
+    yaml_file.write_text(LLM_YAML)
+    assert_one_line_error(sluice("up", str(yaml_file), *ops_args), "$.envs.HF_TOKEN")
+    env_file = tmp_path / "llm.env"
+    env_file.write_text("MODEL_NAME=from-file\nHF_TOKEN=hf-file\n")
+    secret_file = tmp_path / "llm.secrets"
+    secret_file.write_text("API_KEY=sk-file\n")
+    result = sluice(
+        "up", str(yaml_file), "-n", "llm", "-y", "--env-file", str(env_file),
+        "--env", "MODEL_NAME=Qwen/Qwen2.5-0.5B", "--env", "HF_TOKEN",
+        "--secret-file", str(secret_file), "--secret", "API_KEY", *ops_args,
+        env={"HF_TOKEN": "hf-shell", "API_KEY": "sk-shell"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    spec = _spec_of(redis_url, redis_prefix, "llm")
+    probe = spec["service"]["readiness_probe"]
+    assert probe["post_data"] == {"model": "Qwen/Qwen2.5-0.5B", "max_tokens": 1}
+    assert probe["headers"] == {"Authorization": "Bearer sk-shell"}
+    assert spec["envs"] == {"MODEL_NAME": "Qwen/Qwen2.5-0.5B", "HF_TOKEN": "hf-shell"}
+    # SkyPilot 0.14.1 also loads --env-file into the secrets, where MODEL_NAME=from-file
+    # would beat --env in $MODEL_NAME; here --env wins (docs/cli.md).
+    assert spec["secrets"] == {"API_KEY": "sk-shell"}
+    assert spec["run"] == "serve --model $MODEL_NAME"  # the shell expands it at run time
+
+    unset = sluice("up", str(yaml_file), "-n", "x", "--env", "NOT_SET_ANYWHERE_42", *ops_args)
+    assert unset.exit_code == 2 and "NOT_SET_ANYWHERE_42 is not set" in unset.stderr
+    missing = sluice("up", str(yaml_file), "-n", "x", "--env-file", str(tmp_path / "no.env"),
+                     *ops_args)  # fmt: skip
+    assert missing.exit_code == 2 and "no.env" in missing.stderr
+    # update takes them too.
+    result = sluice("update", "llm", str(yaml_file), "--env", "HF_TOKEN=t", "-y", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert _spec_of(redis_url, redis_prefix, "llm", 2)["service"]["readiness_probe"][
+        "post_data"
+    ] == {"model": "small", "max_tokens": 1}
+
+
+def test_update_defaults_to_rolling_like_sky(echo_up: list[str]) -> None:
+    assert sluice("update", "echo", str(ECHO), "--mode", "blue_green", *echo_up).exit_code == 0
+    result = sluice("update", "echo", str(ECHO), *echo_up)
+    assert result.exit_code == 0 and "version 3 (rolling)" in result.stdout, result.output
+    [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
+    assert view["update_mode"] == "rolling"
+
+
+def test_down_several_names_globs_all_and_the_prompt(ops_args: list[str]) -> None:
+    for name in ("echo-a", "echo-b", "other", "last"):
+        assert sluice("up", str(ECHO), "-n", name, *ops_args).exit_code == 0
+
+    assert sluice("down", *ops_args).exit_code == 2  # neither NAMEs nor --all
+    assert sluice("down", "echo-a", "--all", *ops_args).exit_code == 2
+    no = CliRunner().invoke(cli, ["down", "echo-*", *ops_args], input="n\n")
+    assert no.exit_code == 1 and "Taking down service(s) 'echo-a', 'echo-b'. Proceed?" in (
+        no.output
+    )
+    assert set(_statuses(ops_args).values()) == {"CONTROLLER_INIT"}  # nothing happened
+    # A pattern that matches nothing fails before anything is taken down.
+    assert_one_line_error(sluice("down", "other", "nope-*", "-y", *ops_args),
+                          "no service matches 'nope-*'")  # fmt: skip
+    assert_one_line_error(sluice("down", "ghost", "other", "-y", *ops_args),
+                          "no service 'ghost'")  # fmt: skip
+    assert _statuses(ops_args)["other"] == "CONTROLLER_INIT"
+
+    yes = CliRunner().invoke(cli, ["down", "echo-*", "other", *ops_args], input="y\n")
+    assert yes.exit_code == 0, yes.output
+    assert _statuses(ops_args) == {"echo-a": "SHUTTING_DOWN", "echo-b": "SHUTTING_DOWN",
+                                   "other": "SHUTTING_DOWN", "last": "CONTROLLER_INIT"}  # fmt: skip
+    # --purge removes a service stuck SHUTTING_DOWN (no controller runs here) at once.
+    result = sluice("down", "echo-?", "--purge", "-y", *ops_args)
+    assert result.exit_code == 0 and "echo-a: purged" in result.stdout, result.output
+    assert set(_statuses(ops_args)) == {"other", "last"}
+    result = sluice("down", "-a", "-y", *ops_args)
+    assert result.exit_code == 0, result.output
+    assert _statuses(ops_args) == {"other": "SHUTTING_DOWN", "last": "SHUTTING_DOWN"}
+
+
+def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str) -> None:
+    commit_ready(redis_url, redis_prefix, "echo", 7, 4321)
+
+    async def add_failed() -> None:
+        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
+            record = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
+            await store.commit("echo", replica_updates=[record])
+
+    asyncio.run(add_failed())
+
+    def replicas() -> dict[int, str]:
+        [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
+        return {r["id"]: r["status"] for r in view["replicas"]}
+
+    assert sluice("down", "echo", "other", "--replica-id", "7", "-y", *echo_up).exit_code == 2
+    assert sluice("up", str(ECHO), "-n", "echo2", *echo_up).exit_code == 0
+    many = sluice("down", "echo*", "--replica-id", "7", "-y", *echo_up)
+    assert many.exit_code == 2 and "matches echo, echo2" in many.stderr
+    result = sluice("down", "echo", "--replica-id", "7", "-y", *echo_up)
+    assert result.exit_code == 0 and "replica 7 terminated" in result.stdout, result.output
+    assert replicas() == {7: "SHUTTING_DOWN", 8: "FAILED"}
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "7", "-y", *echo_up),
+                          "already shutting down")  # fmt: skip
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "8", "-y", *echo_up),
+                          "failed status (FAILED)", "--purge")  # fmt: skip
+    result = sluice("down", "echo", "--replica-id", "8", "--purge", "-y", *echo_up)
+    assert result.exit_code == 0 and "replica 8 purged" in result.stdout, result.output
+    assert replicas() == {7: "SHUTTING_DOWN"}
+    assert_one_line_error(sluice("down", "echo", "--replica-id", "9", "-y", *echo_up),
+                          "has no replica 9")  # fmt: skip
+    assert sluice("status", "echo", *echo_up).exit_code == 0  # still there
+
+
+def test_status_several_names_and_verbose(echo_up: list[str]) -> None:
+    assert sluice("up", str(ECHO), "-n", "two", *echo_up).exit_code == 0
+    assert sluice("up", str(ECHO), "-n", "three", *echo_up).exit_code == 0
+    result = sluice("status", "echo", "three", "--json", *echo_up)
+    assert [v["name"] for v in json.loads(result.stdout)] == ["echo", "three"]
+    assert sluice("replica", "add", "echo", "http://127.0.0.1:9", *echo_up).exit_code == 0
+    for flag in ("-v", "--verbose", "-a", "--all"):
+        result = sluice("status", "echo", flag, *echo_up)
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert lines[1].split()[-2:] == ["POLICY", "UPDATE_MODE"]
+        assert "least_load" in lines[2] and "rolling" in lines[2]
+        header = next(line for line in lines if line.startswith("SERVICE_NAME"))
+        assert header.split()[-4:] == ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
+    assert "BACKEND" not in sluice("status", "echo", *echo_up).stdout
 
 
 def test_duration() -> None:
@@ -427,9 +613,11 @@ def _kill_all(pids: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _process(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child of this test; on the way out, it and whatever it started are SIGKILLed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO,
                                 env=env, stdin=subprocess.DEVNULL, stdout=out,
@@ -498,13 +686,15 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     assert "Traceback" not in output
 
 
-def test_logs_follow_until_ctrl_c(tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--tail", "1", "--follow"]])
+def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     state = tmp_path / "st"
     state.mkdir()
     controller_log = state / "controller.log"
-    controller_log.write_text("one\n")
+    controller_log.write_text("zero\none\n" if extra else "one\n")
     out = tmp_path / "follow.out"
-    argv = ["logs", "svc", "--controller", "--follow", "--state-dir", str(state)]
+    # Follows by default (as `sky serve logs`); --tail N with --follow: the last N, then on.
+    argv = ["logs", "svc", "--controller", "--state-dir", str(state), *extra]
     with _process(argv, out) as proc:
         deadline = time.monotonic() + 20
         while out.read_text() != "one\n":
@@ -545,3 +735,114 @@ def test_snapshot_watch_follows_generations_until_ctrl_c(
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0, log.read_text()
     assert "Traceback" not in log.read_text()
+
+
+TLS_YAML = """\
+name: echo
+service:
+  readiness_probe: /health
+  replicas: 1
+  tls:
+    keyfile: ~/certs/key.pem
+    certfile: ~/certs/cert.pem
+run: exec python -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID
+"""
+
+
+def test_run_with_tls_paths_under_home_that_do_not_exist(tmp_path: Path) -> None:
+    spec = tmp_path / "tls.yaml"
+    spec.write_text(TLS_YAML)
+    state = tmp_path / "state"
+    result = sluice("run", str(spec), "--state-dir", str(state), env={"HOME": str(tmp_path)})
+    assert_one_line_error(
+        result, f"service.tls.certfile: no file at {tmp_path}/certs/cert.pem", "'~/certs/cert.pem'"
+    )
+    assert not state.exists()  # nothing was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_run_serves_https_with_tls_paths_under_home(tmp_path: Path) -> None:
+    import ssl
+
+    import trustme
+
+    home = tmp_path / "home"
+    (home / "certs").mkdir(parents=True)
+    ca = trustme.CA()
+    cert = ca.issue_cert(HOST)
+    cert.private_key_pem.write_to_path(str(home / "certs" / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(home / "certs" / "cert.pem"))
+    spec = tmp_path / "tls.yaml"
+    spec.write_text(TLS_YAML.replace("exec python", f"exec {sys.executable}"))
+    state, port, log = tmp_path / "state", free_port(), tmp_path / "run.log"
+    argv = ["run", str(spec), "--state-dir", str(state), "--host", HOST, "--port", str(port),
+            "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    with _process(argv, log, env={"HOME": str(home)}) as proc:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
+            with contextlib.suppress(OSError):
+                conn = http.client.HTTPSConnection(HOST, port, timeout=2, context=context)
+                try:
+                    conn.request("GET", "/fast")
+                    if conn.getresponse().status == 200:
+                        break
+                finally:
+                    conn.close()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        info = json.loads((state / "run.json").read_text())
+        assert info["endpoint"] == f"https://{HOST}:{port}"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+# -- replicas on the YAML's fixed port (most Sky Serve YAMLs: `vllm serve --port 8080`) -----
+
+
+def _fixed_port_yaml(tmp_path: Path, replicas: int, run: str, probe: str = "/health") -> Path:
+    path = tmp_path / f"fixed-{replicas}-{abs(hash((run, probe)))}.yaml"
+    path.write_text(
+        f"service:\n  readiness_probe: {probe}\n  replicas: {replicas}\n  ports: 8080\n"
+        f"resources:\n  ports: 8080\nrun: {run}\n"
+    )
+    return path
+
+
+def test_a_fixed_replica_port_allows_one_local_replica(
+    tmp_path: Path, ops_args: list[str], redis_url: str, redis_prefix: str
+) -> None:
+    two = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port 8080")
+    line = assert_one_line_error(sluice("up", str(two), "-n", "llm", *ops_args),
+                                 "fixed port 8080", "up to 2", "$PORT")  # fmt: skip
+    assert "Traceback" not in line and keys(redis_url, redis_prefix) == []
+    result = sluice("run", str(two), "-n", "llm", "--state-dir", str(tmp_path / "run"))
+    assert_one_line_error(result, "fixed port 8080")
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+    # Through an env var of the YAML, the port is as fixed.
+    env = tmp_path / "env.yaml"
+    env.write_text(two.read_text().replace("--port 8080", "--port $VLLM_PORT")
+                   + "envs:\n  VLLM_PORT: 8080\n")  # fmt: skip
+    assert_one_line_error(sluice("up", str(env), "-n", "llm", *ops_args), "fixed port 8080")
+    # Listening on $PORT, or a program that reads PORT itself (its run command names no
+    # port, like examples/echo.yaml): any number of replicas, each on its own port.
+    dollar = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port $PORT")
+    assert sluice("up", str(dollar), "-n", "ok", *ops_args).exit_code == 0
+    reads_env = _fixed_port_yaml(tmp_path, 2, "python3 server.py --workers 18080")
+    assert sluice("up", str(reads_env), "-n", "ok2", *ops_args).exit_code == 0
+    # One replica on the fixed port is fine, and a count-only update too; an update that
+    # replaces the replica cannot start the new one while the old one holds the port.
+    one = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080")
+    assert sluice("up", str(one), "-n", "llm", *ops_args).exit_code == 0
+    probe = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080", "/v1/models")
+    assert sluice("update", "llm", str(probe), *ops_args).exit_code == 0
+    other = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-8B --port 8080")
+    assert_one_line_error(sluice("update", "llm", str(other), *ops_args),
+                          "fixed port 8080", "cannot start while the old one")  # fmt: skip
+    # `sluice run`'s proxy cannot take the replica's port either.
+    result = sluice("run", str(one), "--port", "8080", "--state-dir", str(tmp_path / "run"))
+    assert_one_line_error(result, "--port 8080", "another --port")

@@ -27,6 +27,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from controlplane import ops
+from controlplane.backends.base import Launched, LaunchFailed
+from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.controller import Controller, ControllerConfig, run_controller
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceStatus, UpdateMode
@@ -412,6 +414,111 @@ async def test_a_service_that_never_gets_ready_is_failed(
     assert view.last_failure is not None and "before it was ever ready" in view.last_failure
 
 
+async def test_a_failed_setup_gives_up_a_version_that_never_served(
+    store: Store, start_controller: StartController
+) -> None:
+    # Sky: a setup that fails is FAILED_SETUP, a user-code failure (FAILED), not a
+    # provisioning failure to retry; so one round of launches, not a loop.
+    controller = await start_controller()
+    await ops.up(store, "svc", make_spec(2, setup="echo no deps >&2; exit 4"))
+    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    for _ in range(3):
+        await controller.step()
+    view = (await ops.status(store, "svc"))[0]
+    assert view.status == "FAILED" and {r.status for r in view.replicas} == {"FAILED"}
+    assert view.launch_blocked is not None and "setup of version 1 exited with code 4" in (
+        view.launch_blocked
+    )
+    assert (await event_kinds(store, "svc")).count("launch") == 2
+
+
+# Replica 2 never answers its readiness probe; every other replica is ready at once.
+SLOW_2 = RUN + ' --ready-delay "$([ "$SLUICE_REPLICA_ID" = 2 ] && echo 1000 || echo 0)"'
+
+
+async def test_a_version_that_served_keeps_scaling_after_a_slow_replica(
+    store: Store, start_controller: StartController
+) -> None:
+    # Sky Serve 0.14.1 (autoscalers.py, generate_scaling_decisions): scaling stops for an
+    # unrecoverable failure only while `latest_version_ever_ready < latest_version`.
+    await start_controller()
+    await ops.up(store, "svc", make_spec(1, run=SLOW_2))
+    await ready_view(store, "svc", 1)
+    # Count-only: replica 1 is relabelled, so version 2 has served from the start.
+    await ops.update(store, "svc", make_spec(2, run=SLOW_2, probe={"initial_delay_seconds": 4}))
+    view = await ops.wait_for(
+        store,
+        "svc",
+        lambda v: v.ready == 2 and all(r.status == "READY" for r in v.replicas),
+        timeout=40,
+    )
+    assert [r.id for r in view.replicas] == [1, 3] and view.launch_blocked is None
+    assert {r.version for r in view.replicas} == {2}
+    failures = [e for e in await store.events("svc", count=1000) if e.kind == "failure"]
+    assert [e.fields["status"] for e in failures] == ["FAILED_INITIAL_DELAY"]
+    assert (await store.service("svc")).ready_version == 2  # type: ignore[union-attr]
+
+
+class FakeCloudOutOfCapacity(LocalBackend):
+    """A fake of what cannot run here, a cloud: its first provisioning fails for want of
+    capacity (LaunchFailed); later ones run the replica as the local backend does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attempts = 0
+
+    async def launch(
+        self, service: str, replica_id: int, version: int, spec: ServiceSpec
+    ) -> Launched:
+        self.attempts += 1
+        if self.attempts == 1:
+            raise LaunchFailed("fake cloud: no A100 capacity in us-east-1")
+        return await super().launch(service, replica_id, version, spec)
+
+
+async def test_a_failed_provision_is_retried_not_given_up(
+    store: Store, config: ControllerConfig
+) -> None:
+    # Sky: FAILED_PROVISION is not `unrecoverable_failure` (replica_managers.py): the
+    # autoscaler launches another replica, even for a version never READY yet.
+    cloud = FakeCloudOutOfCapacity(config.state_dir, term_timeout=config.term_timeout)
+    controller = Controller(store, config, backends={"local": cloud, "external": ExternalBackend()})
+    await controller.start()
+    runner = asyncio.create_task(controller.run())
+    try:
+        await ops.up(store, "svc", make_spec(1))
+        view = await ready_view(store, "svc", 1)
+        assert [r.id for r in view.replicas] == [2] and view.status == "READY"
+        failures = [e for e in await store.events("svc", count=1000) if e.kind == "failure"]
+        assert len(failures) == 1 and "no A100 capacity" in failures[0].fields["reason"]
+        assert failures[0].fields["status"] == "FAILED_PROVISION" and cloud.attempts == 2
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+        await controller.aclose()
+
+
+async def test_a_replica_on_the_yamls_fixed_port_is_probed_there(
+    store: Store, start_controller: StartController
+) -> None:
+    # A Sky Serve YAML: the run command listens on the port the YAML names, not $PORT.
+    port = free_port()
+    run = f"exec {sys.executable} -m tests.replica_app --port {port} --id $SLUICE_REPLICA_ID"
+    doc: dict[str, Any] = {
+        "service": {"readiness_probe": PROBE, "replicas": 1, "ports": port},
+        "resources": {"ports": port},
+        "workdir": str(REPO),
+        "run": run,
+    }
+    await start_controller()
+    await ops.up(store, "svc", parse_spec(doc))
+    view = await ready_view(store, "svc", 1)
+    assert view.replicas[0].url == f"http://127.0.0.1:{port}"
+    [replica] = (await store.replicas("svc")).values()
+    assert replica.handle["port"] == port
+
+
 async def test_external_replicas_are_probed_and_routed_never_killed(
     store: Store, start_controller: StartController, replica_factory: ReplicaFactory
 ) -> None:
@@ -656,8 +763,10 @@ def test_probe_state_machine() -> None:
     bad = ProbeResult(1, False, "503", url)
     starting = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url=url, launched_at=100.0)
 
-    assert apply_probe(starting, bad, probe, 105.0).record == starting  # within initial delay
-    late = apply_probe(starting, bad, probe, 111.0)
+    first = apply_probe(starting, bad, probe, 105.0)  # the initial delay starts here
+    assert first.record == replace(starting, first_not_ready_at=105.0) and first.event is None
+    assert apply_probe(first.record, bad, probe, 115.0).record == first.record  # 10s: not > 10
+    late = apply_probe(first.record, bad, probe, 115.5)
     assert late.record.status is ReplicaStatus.FAILED_INITIAL_DELAY and late.event == "failure"
 
     ready = apply_probe(starting, ok, probe, 105.0)
@@ -679,6 +788,79 @@ def test_probe_state_machine() -> None:
     exited = apply_exit(ready.record, "exited with code 1", 130.0)
     assert exited.record.status is ReplicaStatus.FAILED
     assert exited.reason == "process exited with code 1 after being ready"
+
+
+def test_initial_delay_counts_from_the_first_failed_probe_as_in_sky() -> None:
+    # Sky Serve 0.14.1, replica_managers.py `_probe_all_replicas`: `first_not_ready_time`
+    # is set by the first failed probe; FAILED_INITIAL_DELAY once
+    # `probe_time - first_not_ready_time > initial_delay_seconds`. Launch time plays no part
+    # (a replica whose setup or first probe came late is not charged for it).
+    probe = ReadinessProbe(path="/h", initial_delay_seconds=60)
+    url = "http://127.0.0.1:1"
+    bad = ProbeResult(1, False, "connect: refused", url)
+    launched = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url=url, launched_at=0.0)
+    first = apply_probe(launched, bad, probe, 100.0).record
+    assert first.status is ReplicaStatus.STARTING and first.first_not_ready_at == 100.0
+    assert apply_probe(first, bad, probe, 150.0).record.status is ReplicaStatus.STARTING
+    assert apply_probe(first, bad, probe, 160.0).record.status is ReplicaStatus.STARTING
+    failed = apply_probe(first, bad, probe, 160.5)
+    assert failed.record.status is ReplicaStatus.FAILED_INITIAL_DELAY
+    assert "initial_delay_seconds=60" in (failed.reason or "")
+
+
+async def test_probe_follows_redirects_like_requests_bounded() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        match request.path:
+            case "/health":  # e.g. a framework adding a trailing slash
+                raise web.HTTPMovedPermanently("/health/")
+            case "/health/":
+                return web.Response(text=f"ok {request.method}")
+            case "/post":  # a 302 to a POST: requests (and so Sky) re-asks with a GET
+                raise web.HTTPFound("/health/")
+            case "/keep":  # a 307 keeps the POST and its body
+                raise web.HTTPTemporaryRedirect("/echo")
+            case "/echo":
+                body = await request.read()
+                return web.Response(status=200 if request.method == "POST" and body else 400)
+            case "/loop":
+                raise web.HTTPFound("/loop")
+        return web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    woken = asyncio.Event()
+    prober = Prober(clock=time.time, on_result=woken.set)
+    await prober.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        targets = [
+            (ReplicaRecord(id=i, status=ReplicaStatus.STARTING, url=url), probe)
+            for i, probe in enumerate(
+                [
+                    ReadinessProbe(path="/health"),
+                    ReadinessProbe(path="/post", post_data={"q": 1}),
+                    ReadinessProbe(path="/keep", post_data={"q": 1}),
+                    ReadinessProbe(path="/loop", timeout_seconds=10),
+                ],
+                start=1,
+            )
+        ]
+        prober.poll("svc", targets, time.time())
+        results: dict[int, ProbeResult] = {}
+        async with asyncio.timeout(15):
+            while len(results) < len(targets):
+                await woken.wait()
+                woken.clear()
+                results.update(prober.poll("svc", targets, time.time()))
+        assert {i: r.ok for i, r in results.items()} == {1: True, 2: True, 3: True, 4: False}
+        assert "TooManyRedirects" in results[4].detail
+    finally:
+        await prober.aclose()
+        await runner.cleanup()
 
 
 async def test_control_subscription_decodes_nudges(

@@ -940,3 +940,87 @@ def test_llm_example_is_not_ready_while_loading(replica: Any) -> None:
         assert resp.status == 503
     finally:
         conn.close()
+
+
+# -- $VAR substitution from envs and secrets (SkyPilot's Task.from_yaml_config) --------------
+
+
+def _sky_fill_in_env_vars(section: Any, values: dict[str, str]) -> Any:
+    """SkyPilot 0.14.1's `sky/task.py::_fill_in_env_vars`, verbatim: the oracle."""
+    import re
+
+    text = json.dumps(section)
+    pattern = r"\$\{?\b([a-zA-Z_][a-zA-Z0-9_]*)\b\}?"
+    return json.loads(re.sub(pattern, lambda m: values.get(m.group(1), m.group(0)), text))
+
+
+LLM_PROBE = {
+    "path": "/v1/chat/completions",
+    "post_data": {
+        "model": "$MODEL_NAME",
+        "messages": [{"role": "user", "content": "Hi ${MODEL_NAME}, $UNKNOWN, cost $5"}],
+        "max_tokens": 1,
+    },
+    "headers": {"Authorization": "Bearer ${API_KEY}"},
+}
+
+
+def test_env_vars_fill_the_service_section_as_sky_does() -> None:
+    doc = spec_with(
+        envs={"MODEL_NAME": "meta-llama/Llama-3-8B", "ROOT": "/srv"},
+        secrets={"API_KEY": "sk-1"},
+        service={"readiness_probe": LLM_PROBE, "replicas": 1},
+        workdir="$ROOT/app",
+        file_mounts={"/models/${MODEL_NAME}": "s3://b/$MODEL_NAME"},
+    )
+    spec = parse_spec(doc)
+    probe = spec.probe
+    assert probe.post_data == {
+        "model": "meta-llama/Llama-3-8B",
+        "messages": [{"role": "user", "content": "Hi meta-llama/Llama-3-8B, $UNKNOWN, cost $5"}],
+        "max_tokens": 1,
+    }
+    assert probe.headers == {"Authorization": "Bearer sk-1"}  # secrets fill in too
+    assert spec.workdir == "/srv/app"
+    assert spec.file_mounts == {"/models/meta-llama/Llama-3-8B": "s3://b/meta-llama/Llama-3-8B"}
+    assert spec.run == doc["run"]  # run/setup read their env at run time: left alone
+    values = {"MODEL_NAME": "meta-llama/Llama-3-8B", "ROOT": "/srv", "API_KEY": "sk-1"}
+    expected = _sky_fill_in_env_vars(LLM_PROBE, values)
+    assert probe.post_data == expected["post_data"] and probe.headers == expected["headers"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["$A", "${A}", "x$A-y", "$A$B", "${A", "$A}", "$$A", "${A}}", "$1A", "$AB", "a $ b",
+     "$A_B", "${ A }", "$Ä", "$caf\u00e9"],
+)  # fmt: skip
+def test_substitution_matches_skys_regex_on_edge_cases(text: str) -> None:
+    values = {"A": "1", "B": "2", "A_B": "3", "caf": "4"}
+    section = {"readiness_probe": {"path": "/h", "post_data": {"k": text}}}
+    ours = parse_spec(spec_with(envs=values, service={**section, "replicas": 1}))
+    assert ours.probe.post_data == _sky_fill_in_env_vars(section, values)["readiness_probe"][
+        "post_data"
+    ]
+
+
+def test_substitution_survives_quotes_that_break_skys_json_text() -> None:
+    spec = parse_spec(
+        spec_with(
+            envs={"PROMPT": 'say "hi"\\n'},
+            service={"readiness_probe": {"path": "/h", "post_data": {"p": "$PROMPT"}}},
+        )
+    )
+    assert spec.probe.post_data == {"p": 'say "hi"\\n'}
+
+
+def test_cli_envs_and_secrets_override_the_yaml_before_substitution(tmp_path: Path) -> None:
+    path = tmp_path / "svc.yaml"
+    path.write_text(
+        "service:\n  readiness_probe:\n    path: /h\n    post_data: {model: $MODEL}\n"
+        "envs:\n  MODEL: small\n  HF_TOKEN:\nsecrets:\n  KEY: yaml\nrun: serve\n"
+    )
+    with pytest.raises(SpecError, match=r"\$\.envs\.HF_TOKEN: has no value"):
+        load_spec(path)
+    spec = load_spec(path, envs={"MODEL": "big", "HF_TOKEN": "t"}, secrets={"KEY": "cli"})
+    assert spec.probe.post_data == {"model": "big"}
+    assert spec.envs == {"MODEL": "big", "HF_TOKEN": "t"} and spec.secrets == {"KEY": "cli"}
