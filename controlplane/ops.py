@@ -32,6 +32,7 @@ from controlplane.models import (
     ServiceRecord,
     ServiceStatus,
     UpdateMode,
+    check_service_name,
 )
 from controlplane.spec import ServiceSpec
 from controlplane.store import Mutation, ServiceNotFound, Store
@@ -111,8 +112,9 @@ async def up(
 
     `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
     Returns the stored record. Raises ServiceExists if the name is taken,
-    ValueError for an invalid name.
+    InvalidServiceName (a ValueError) for an invalid name, before touching Redis.
     """
+    check_service_name(name)
     record = ServiceRecord(
         name=name,
         status=ServiceStatus.CONTROLLER_INIT,
