@@ -214,6 +214,7 @@ class ServiceRun:
             endpoint = f"{scheme}://{_display_host(config.host)}:{port}"
             bare_url, password = split_password(url)
             if password is not None:
+                private_dir(password_path(config.state_dir).parent)
                 write_private(password_path(config.state_dir), password.encode())
             self._info = RunInfo(
                 pid=os.getpid(),
