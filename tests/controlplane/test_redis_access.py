@@ -245,6 +245,15 @@ def test_controller_acl_user_cannot_administer_redis(acl_server: EmbeddedRedis) 
         as_controller.close()
 
 
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else []:
+        with contextlib.suppress(OSError):
+            for kid in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
+                out += [int(kid), *_descendants(int(kid))]
+    return out
+
+
 # -- TLS -------------------------------------------------------------------------------------
 
 
@@ -352,6 +361,12 @@ def test_sluice_run_and_every_command_over_tls(
                     break
             assert time.monotonic() < deadline, f"no 200 within 60s:\n{log.read_text()}"
             time.sleep(0.1)
+
+        # A password given in the URL is kept out of run.json and every child's argv too.
+        assert ADMIN_PASSWORD not in (state / "run.json").read_text()
+        for pid in _descendants(proc.pid):
+            with contextlib.suppress(OSError):
+                assert ADMIN_PASSWORD not in Path(f"/proc/{pid}/cmdline").read_text()
 
         # Through the run's state dir (its password file and CA file) ...
         views = json.loads(_ok(_sluice("status", "tlsecho", "--json", "--state-dir", str(state))))
