@@ -23,7 +23,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from controlplane.backends.local import LocalBackend
+from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
 from controlplane.cli import cli
 from controlplane.spec import parse_spec
 from tests.fixtures_replicas import HOST, REPO, free_port, http_get
@@ -235,3 +235,10 @@ async def test_local_replica_never_inherits_the_controllers_redis_url(tmp_path: 
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["HOME"] == "/home/x"
     assert env["SLUICE_REPLICA_ID"] == "1" and env["PORT"].isdigit()
     assert _mode(tmp_path / "state" / "svc" / "replica-1.log") == 0o600
+
+
+def test_the_documented_allow_list_is_the_one_in_force() -> None:
+    for doc in ("security.md", "cli.md"):
+        text = (REPO / "docs" / doc).read_text()
+        missing = [n for n in (*HOST_ENV_NAMES, *HOST_ENV_PREFIXES) if n not in text]
+        assert not missing, f"docs/{doc} does not list {missing}"
