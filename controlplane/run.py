@@ -191,9 +191,12 @@ class ServiceRun:
             self._stop_redis()
             for fh in self._logs:
                 fh.close()
-            with contextlib.suppress(OSError):
-                if self._info is not None:
+            if self._info is not None:
+                with contextlib.suppress(OSError):
                     run_info_path(config.state_dir).unlink()
+                if self._info.redis_password_file is not None:
+                    with contextlib.suppress(OSError):  # no copy of a password outlives the run
+                        Path(self._info.redis_password_file).unlink()
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()

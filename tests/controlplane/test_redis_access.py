@@ -395,3 +395,4 @@ def test_sluice_run_and_every_command_over_tls(
     assert code == 0, output
     assert "Traceback" not in output and "certificate" not in output, output
     assert "sluice: stopped" in output
+    assert not (state / "run.json").exists() and not (state / "redis" / "password").exists()

@@ -116,6 +116,7 @@ def sluice_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         yield Run(proc, state, log, env_out, info, sorted(started))
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+        assert not (state / "redis" / "password").exists()  # removed with run.json
     finally:
         if proc.poll() is None:
             started.update(_descendants(proc.pid))
