@@ -194,6 +194,11 @@ def test_logs_and_state_files_are_private(sluice_run: Run) -> None:
     for path in files:
         if path.is_file():
             assert _mode(path) == 0o600, (path, oct(_mode(path)))
+    # Nothing but the password file and redis.conf holds the password: no log, no state file.
+    password = _password(sluice_run)
+    for path in [*state.rglob("*"), sluice_run.log]:
+        if path.is_file() and path.name not in ("password", "redis.conf"):
+            assert password not in path.read_text(errors="replace"), path
 
 
 @pytest.mark.slow
