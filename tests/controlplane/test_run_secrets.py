@@ -15,7 +15,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,9 @@ from click.testing import CliRunner
 
 from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
 from controlplane.cli import cli
+from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import parse_spec
-from tests.fixtures_replicas import HOST, REPO, free_port, http_get
+from tests.fixtures_replicas import HOST, REPO, ProxyFactory, free_port, http_get
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"
@@ -248,3 +249,17 @@ def test_the_documented_allow_list_is_the_one_in_force() -> None:
         text = (REPO / "docs" / doc).read_text()
         missing = [n for n in (*HOST_ENV_NAMES, *HOST_ENV_PREFIXES) if n not in text]
         assert not missing, f"docs/{doc} does not list {missing}"
+
+
+def test_proxy_workers_get_the_redis_url_from_the_environment_not_argv(
+    redis_factory: Callable[..., EmbeddedRedis], proxy_factory: ProxyFactory
+) -> None:
+    # `--workers N` re-executes itself N times: the URL must not land in the workers' argv.
+    server = redis_factory(password="proxy-workers-secret")
+    proxy = proxy_factory("--service", "svc", workers=2, wait="health",
+                          env={"SLUICE_REDIS_URL": server.url})  # fmt: skip
+    pids = [proxy.pid, *proxy.worker_pids()]
+    assert len(pids) >= 3, pids
+    for pid in pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "proxy-workers-secret" not in argv and "redis://" not in argv, argv
