@@ -15,9 +15,12 @@ The commands and options `sky serve` has take the same names and arguments (SkyP
     sluice controller                         long-running: the controller
     sluice proxy                              long-running: = sluice-proxy
 
-Every command takes `--redis URL` (env SLUICE_REDIS_URL) and `--prefix` (env
-SLUICE_PREFIX); without `--redis`, the ops commands use the Redis of a `sluice
-run` alive on `--state-dir` (its `run.json`), else redis://127.0.0.1:6379/0.
+Every command takes `--redis URL` (env SLUICE_REDIS_URL), `--redis-ca-file` (env
+SLUICE_REDIS_CA_FILE) and `--prefix` (env SLUICE_PREFIX); without `--redis`, the
+ops commands use the Redis of a `sluice run` alive on `--state-dir` (its
+`run.json`, and the password from the 0600 file it names), else
+redis://127.0.0.1:6379/0. Service names are checked (`check_service_name`)
+before any Redis call or path.
 Other options follow click's `auto_envvar_prefix="SLUICE"` (SLUICE_RUN_PORT ...).
 
 Errors are translated here, at one boundary (`_errors`), into one line on stderr
@@ -46,9 +49,10 @@ import msgspec
 from controlplane import ops
 from controlplane.controller import ControllerConfig, run_controller
 from controlplane.display import snapshot_text, status_text
-from controlplane.models import ReplicaRecord, UpdateMode
-from controlplane.run import RunConfig, read_run_info, redact_url, run_service
+from controlplane.models import ReplicaRecord, UpdateMode, check_service_name
+from controlplane.run import RunConfig, read_run_info, run_redis_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
+from controlplane.statedir import redact_url
 from controlplane.store import (
     DEFAULT_PREFIX,
     ServiceNotFound,
@@ -69,10 +73,11 @@ _FOLLOW_POLL = 0.25  # seconds between looks at a followed log file
 
 @dataclass(frozen=True)
 class Target:
-    """Where the ops commands find sluice's state: a Redis URL and a key prefix."""
+    """Where the ops commands find sluice's state: a Redis URL, its CA file, a key prefix."""
 
     url: str
     prefix: str
+    ca_file: str | None = None
 
 
 # -- the error boundary ----------------------------------------------------------------------
@@ -102,7 +107,8 @@ def _with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
     """Run `fn(store)` on a fresh event loop with a store on `target`, closed afterwards."""
 
     async def main() -> T:
-        async with Store.from_url(target.url, prefix=target.prefix) as store:
+        async with Store.from_url(target.url, prefix=target.prefix,
+                                  ca_file=target.ca_file) as store:  # fmt: skip
             return await fn(store)
 
     with _errors(target.url):
@@ -121,9 +127,19 @@ _REDIS_HELP = (
 def _redis_options(
     redis_help: str = _REDIS_HELP,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """--redis, --prefix and --state-dir, on every command that reads sluice's state."""
+    """--redis, --redis-ca-file, --prefix and --state-dir, on every command that reads
+    sluice's state. The CA file is not a parameter of the commands: `_target` reads it."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            "--redis-ca-file",
+            type=click.Path(exists=True, dir_okay=False),
+            envvar="SLUICE_REDIS_CA_FILE",
+            expose_value=False,
+            callback=_keep_ca_file,
+            help="CA certificate(s) that signed a rediss:// server's certificate (default: "
+            "the system's). Env: SLUICE_REDIS_CA_FILE.",
+        )(command)
         command = click.option(
             "--state-dir",
             type=click.Path(file_okay=False, path_type=Path),
@@ -146,24 +162,47 @@ def _redis_options(
     return decorate
 
 
+_CA_FILE = "sluice.redis_ca_file"
+
+
+def _keep_ca_file(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    ctx.meta[_CA_FILE] = value
+
+
+def _ca_file() -> str | None:
+    value: str | None = click.get_current_context().meta.get(_CA_FILE)
+    return value
+
+
 def _state_dir(path: Path) -> Path:
     return path.expanduser().resolve()
 
 
 def _target(redis_url: str | None, prefix: str, state_dir: Path) -> Target:
     """Explicit --redis; else the Redis of a live `sluice run` on the state dir (with its
-    prefix unless --prefix was given); else the default URL."""
+    password, CA file and prefix unless given); else the default URL."""
+    ca_file = _ca_file()
     if redis_url:
-        return Target(redis_url, prefix)
+        return Target(redis_url, prefix, ca_file)
     info = read_run_info(_state_dir(state_dir))
     if info is None:
-        return Target(DEFAULT_REDIS_URL, prefix)
+        return Target(DEFAULT_REDIS_URL, prefix, ca_file)
     ctx = click.get_current_context()
     explicit = ctx.get_parameter_source("prefix") not in (
         click.core.ParameterSource.DEFAULT,
         None,
     )
-    return Target(info.redis_url, prefix if explicit else info.prefix)
+    with _errors():
+        url = run_redis_url(info)
+    return Target(url, prefix if explicit else info.prefix, ca_file or info.redis_ca_file)
+
+
+def _name(name: str) -> str:
+    """NAME checked against the service naming rule, as a usage error."""
+    try:
+        return check_service_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="NAME") from None
 
 
 def _load(file: Path, overrides: Overrides | None = None) -> ServiceSpec:
@@ -248,11 +287,11 @@ _YES = click.option("-y", "--yes", is_flag=True, help="Skip the confirmation pro
 
 def _service_name(name: str | None, spec: ServiceSpec, file: Path) -> str:
     chosen = name or spec.name or file.stem
-    if not chosen or ":" in chosen or any(c.isspace() for c in chosen):
-        raise click.BadParameter(
-            f"{chosen!r}: a service name has no ':' or spaces", param_hint="-n/--name"
-        )
-    return chosen
+    try:
+        return check_service_name(chosen)
+    except ValueError as exc:
+        hint = "-n/--name" if name else ("the YAML's `name`" if spec.name else "the file name")
+        raise click.BadParameter(f"{exc} (choose one with -n)", param_hint=hint) from None
 
 
 def _check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -338,6 +377,7 @@ def run(
         name=_service_name(name, spec, file),
         state_dir=_state_dir(state_dir),
         redis_url=redis_url,
+        redis_ca_file=_ca_file(),
         prefix=prefix,
         host=host,
         port=port,
@@ -703,7 +743,8 @@ def snapshot(
 
     async def follow() -> None:
         first = True
-        async with Store.from_url(target.url, prefix=target.prefix) as store:
+        async with Store.from_url(target.url, prefix=target.prefix,
+                                  ca_file=target.ca_file) as store:  # fmt: skip
             async for snap in store.follow_snapshots(name):
                 if not first and not as_json:
                     click.echo("")
@@ -765,6 +806,7 @@ def logs(
     ):
         follow = False  # as `sky serve logs --tail N`: the last lines, then exit
     directory = _state_dir(state_dir)
+    name = _name(name)
     paths: list[Path] = []
     if controller:
         paths.append(directory / "controller.log")
@@ -937,6 +979,7 @@ def controller(
     target = _target(redis_url, prefix, state_dir)
     config = ControllerConfig(
         redis_url=target.url,
+        redis_ca_file=target.ca_file,
         prefix=target.prefix,
         state_dir=_state_dir(state_dir),
         drain_seconds=drain_seconds,

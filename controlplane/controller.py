@@ -104,8 +104,9 @@ class ControllerConfig:
     ready set. `lease_ttl`: the leader lease's TTL (renewed every third of it).
     `holder`: this controller's name in the lease (default host:pid:random).
     `reconcile_interval`: the longest a controller goes without a step.
-    `term_timeout`: SIGTERM to SIGKILL for local replicas. `replica_env`: the
-    environment local replicas inherit (None: the controller's own).
+    `term_timeout`: SIGTERM to SIGKILL for local replicas. `replica_env`: the host
+    environment whose allow-listed variables local replicas get (None: the
+    controller's own; see backends/local.py).
     `base_dir`: what a spec's relative `workdir` is relative to (None: cwd).
     `terminate_on_close`: stop every replica when the controller closes
     (`sluice run`); otherwise replicas outlive it and the next one adopts them.
@@ -116,6 +117,7 @@ class ControllerConfig:
     """
 
     redis_url: str
+    redis_ca_file: str | None = None  # the CA of a rediss:// server (None: the system's)
     prefix: str = "sluice"
     state_dir: Path
     drain_seconds: float = 120.0
@@ -895,7 +897,7 @@ async def run_controller(
     takes over at once.
     """
     holder = config.holder or default_holder()
-    store = Store.from_url(config.redis_url, prefix=config.prefix)
+    store = Store.from_url(config.redis_url, prefix=config.prefix, ca_file=config.redis_ca_file)
     try:
         while True:
             await _acquire(store, holder, config.lease_ttl)

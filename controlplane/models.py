@@ -14,12 +14,34 @@ from __future__ import annotations
 
 import enum
 import operator
+import re
 from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
 
+from proxy.errors import SluiceError
 from proxy.snapshot import ReadyReplica, ReadySnapshot
+
+#: Sky Serve's rule (sky/serve/constants.py SERVICE_NAME_VALID_REGEX), bounded like a DNS
+#: label: a name is used in Redis keys and state-dir paths, so `/`, `.` and `:` never are.
+SERVICE_NAME_PATTERN = re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?")
+SERVICE_NAME_MAX = 63
+
+
+class InvalidServiceName(SluiceError, ValueError):
+    """A service name that breaks the naming rule (`check_service_name`)."""
+
+
+def check_service_name(name: str) -> str:
+    """`name` if it is a valid service name; raises InvalidServiceName naming the rule."""
+    if len(name) <= SERVICE_NAME_MAX and SERVICE_NAME_PATTERN.fullmatch(name):
+        return name
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    raise InvalidServiceName(
+        f"invalid service name {shown!r}: use lowercase letters, digits and '-', starting "
+        f"with a letter and not ending with '-', at most {SERVICE_NAME_MAX} characters"
+    )
 
 
 class ReplicaStatus(enum.StrEnum):

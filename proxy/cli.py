@@ -115,6 +115,9 @@ def supervise_workers(n: int, argv: list[str]) -> int:
 @click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL",
               help="Redis URL (redis:// or rediss://, password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
+@click.option("--redis-ca-file", type=click.Path(dir_okay=False), envvar="SLUICE_REDIS_CA_FILE",
+              help="CA certificate(s) that signed the rediss:// server's certificate "
+                   "(default: the system's). Env: SLUICE_REDIS_CA_FILE.")
 @click.option("--service", help="Service name whose ready set to follow (with --redis).")
 @click.option("--redis-prefix", "--prefix", "redis_prefix", default="sluice", show_default=True,
               help="Redis key prefix.")
@@ -199,6 +202,7 @@ def proxy_command(**opts: object) -> None:
         redis_url=opts["redis_url"],  # type: ignore[arg-type]
         service=opts["service"],  # type: ignore[arg-type]
         redis_prefix=str(opts["redis_prefix"]),
+        redis_ca_file=opts["redis_ca_file"],  # type: ignore[arg-type]
         controller_addr=opts["controller_addr"],  # type: ignore[arg-type]
         sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
         sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ class ProxyConfig:
     redis_url: str | None = None
     service: str | None = None
     redis_prefix: str = "sluice"
+    redis_ca_file: str | None = None  # CA bundle that signed a rediss:// server's certificate
     controller_addr: str | None = None
     sync_interval: float = 5.0
     sync_timeout: float = 5.0

@@ -60,6 +60,18 @@ from proxy.stats import Stats
 log = logging.getLogger("sluice.proxy.redis")
 
 
+def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
+    """redis-py keyword arguments for `ca_file` (the CA that signed the server's
+    certificate; None: the system's). Raises ConfigError for a CA file without TLS."""
+    if ca_file is None:
+        return {}
+    if not url.startswith("rediss://"):
+        raise ConfigError("--redis-ca-file needs a rediss:// (TLS) Redis URL")
+    if not os.path.isfile(ca_file):
+        raise ConfigError(f"--redis-ca-file: no file {ca_file!r}")
+    return {"ssl_ca_certs": ca_file}
+
+
 def snapshot_key(prefix: str, service: str) -> str:
     """The string holding the latest ReadySnapshot (= controlplane Keys.snapshot)."""
     return f"{prefix}:svc:{service}:snapshot"
@@ -114,6 +126,7 @@ class RedisSource:
         if config.redis_url is None or config.service is None:
             raise ConfigError("--redis needs a URL and --service NAME")
         self._url = config.redis_url
+        self._tls = redis_tls_options(config.redis_url, config.redis_ca_file)
         self._service = config.service
         self._stats = stats
         self._snapshot_key = snapshot_key(config.redis_prefix, config.service)
@@ -163,6 +176,7 @@ class RedisSource:
                 socket_timeout=self._command_timeout,
                 # Reconnection is ours (backoff, re-GET); redis-py must not retry quietly.
                 retry=Retry(NoBackoff(), 0),
+                **self._tls,
             )
         except ValueError as exc:
             raise ConfigError(f"--redis: {exc}") from exc

@@ -15,9 +15,15 @@ Per version, the task's `setup` runs once (`bash -c`, in `workdir`, logged to
 `{state_dir}/{service}/setup-v{version}.log`; a marker file keyed by the spec's
 task fields keeps it from running twice, across controller restarts too). Per
 replica, the task's `run` command runs as `bash -c` in its own session and
-process group, in `workdir`, with the spec's `envs` and `secrets` plus `PORT`
-(a free 127.0.0.1 port), `SLUICE_REPLICA_ID` and `SKYPILOT_SERVE_REPLICA_ID`;
-stdout and stderr go to `{state_dir}/{service}/replica-{id}.log`.
+process group, in `workdir`, with a clean environment: the host variables named
+by `HOST_ENV_NAMES` / `HOST_ENV_PREFIXES` (PATH, HOME, LANG, CUDA_* ...; never a
+SLUICE_* variable, so never the controller's Redis URL and password), then the
+spec's `envs` and `secrets`, then `PORT` (a free 127.0.0.1 port),
+`SLUICE_REPLICA_ID` and `SKYPILOT_SERVE_REPLICA_ID`; stdout and stderr go to
+`{state_dir}/{service}/replica-{id}.log`. Setup gets the same environment
+without the three replica variables. The service directory is 0700, its logs
+and handle files 0600; an invalid service name (from a hand-written Redis key)
+fails the launch before any path is made from it.
 
 The handle records pid (= process group id), the process's start time (so a
 recycled pid is never mistaken for the replica), port and log path; it is also
@@ -47,8 +53,9 @@ from pathlib import Path
 
 from controlplane import processes
 from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
-from controlplane.models import Handle
+from controlplane.models import Handle, InvalidServiceName, check_service_name
 from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
+from controlplane.statedir import FILE_MODE, open_private_append, private_dir, write_private
 
 log = logging.getLogger("sluice.backend.local")
 
@@ -57,6 +64,26 @@ _POLL = 0.05  # how often terminate() looks whether the process group is gone
 # Runs the task in its workdir; `exec` keeps the pid, so pid == process group id.
 _LAUNCHER = 'cd -- "$0" || exit 97; exec bash -c "$1"'
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+#: Host variables a replica inherits (docs/security.md): where programs and libraries
+#: are, locale and time zone, the user, the GPU runtime's own settings. Anything else
+#: (cloud keys, tokens, SLUICE_REDIS_URL) reaches a replica only through the spec's
+#: `envs`/`secrets`.
+HOST_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+    "HOSTNAME", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+    "CONDA_DEFAULT_ENV", "SSL_CERT_FILE", "SSL_CERT_DIR",
+})  # fmt: skip
+HOST_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "NCCL_", "HIP_", "ROCR_", "XDG_")
+
+
+def replica_host_env(host: Mapping[str, str]) -> dict[str, str]:
+    """The allow-listed part of the host environment `host`."""
+    return {
+        name: value
+        for name, value in host.items()
+        if name in HOST_ENV_NAMES or name.startswith(HOST_ENV_PREFIXES)
+    }
 
 
 _USES_PORT = re.compile(r"\$\{?PORT\b")
@@ -119,10 +146,11 @@ class LocalBackend:
         base_dir: Path | None = None,
         term_timeout: float = 10.0,
     ) -> None:
-        """`base_env`: the environment replicas inherit (default: this process's, read
-        now); `base_dir`: what a relative `workdir` is relative to (default: the cwd)."""
+        """`base_env`: the host environment whose allow-listed variables replicas get
+        (default: this process's, read now); `base_dir`: what a relative `workdir` is
+        relative to (default: the cwd)."""
         self._state_dir = state_dir
-        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._base_env = replica_host_env(os.environ if base_env is None else base_env)
         self._base_dir = base_dir if base_dir is not None else Path.cwd()
         self._term_timeout = term_timeout
         self._children: set[int] = set()  # pids we spawned and have not reaped
@@ -180,7 +208,7 @@ class LocalBackend:
         }
         # Written before the controller records the replica: if it dies in between,
         # its successor finds the process here (`recover`).
-        self._handle_path(service, replica_id).write_text(json.dumps(handle))
+        write_private(self._handle_path(service, replica_id), json.dumps(handle).encode())
         log.info("service %s: replica %d (v%d) pid %d on port %d", service, replica_id,
                  version, pid, port)  # fmt: skip
         return Launched(url=f"http://{HOST}:{port}", handle=handle)
@@ -233,12 +261,14 @@ class LocalBackend:
     # -- internals ---------------------------------------------------------------------------
 
     def _service_dir(self, service: str) -> Path:
-        directory = self._state_dir / service
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory
+        try:
+            check_service_name(service)
+        except InvalidServiceName as exc:
+            raise LaunchFailed(str(exc)) from exc
+        return private_dir(self._state_dir / service)
 
     def _handle_path(self, service: str, replica_id: int) -> Path:
-        return self._state_dir / service / f"replica-{replica_id}.json"
+        return self._state_dir / check_service_name(service) / f"replica-{replica_id}.json"
 
     def _workdir(self, spec: ServiceSpec) -> Path:
         workdir = self._base_dir / spec.workdir if spec.workdir else self._base_dir
@@ -257,7 +287,7 @@ class LocalBackend:
                 env,
                 file_actions=[
                     (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                    (os.POSIX_SPAWN_OPEN, 1, str(log_path), _APPEND, 0o644),
+                    (os.POSIX_SPAWN_OPEN, 1, str(log_path), _APPEND, FILE_MODE),
                     (os.POSIX_SPAWN_DUP2, 1, 2),
                 ],
                 setsid=True,  # own session and process group: pgid == pid
@@ -291,14 +321,14 @@ class LocalBackend:
             task = asyncio.create_task(self._run_setup(service, version, spec, workdir, env))
             self._setups[marker.name] = task
         await asyncio.shield(task)
-        marker.touch()
+        marker.touch(mode=FILE_MODE)
 
     async def _run_setup(
         self, service: str, version: int, spec: ServiceSpec, workdir: Path, env: dict[str, str]
     ) -> None:
         log_path = self._service_dir(service) / f"setup-v{version}.log"
         assert spec.setup is not None
-        with log_path.open("ab") as out:
+        with os.fdopen(open_private_append(log_path), "ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 self._bash, "-c", spec.setup, cwd=workdir, env=env,
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,

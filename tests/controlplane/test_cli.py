@@ -656,7 +656,8 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
         info = json.loads((state / "run.json").read_text())
         assert info["pid"] == proc.pid and info["endpoint"] == f"http://{HOST}:{port}"
         assert set(info["pids"]) == {"redis", "controller", "proxy"}
-        client = redis.Redis.from_url(info["redis_url"])
+        password = Path(info["redis_password_file"]).read_text()  # not in run.json itself
+        client = redis.Redis.from_url(info["redis_url"], password=password)
         try:
             records = client.hgetall("sluice:svc:echo:replicas").values()
         finally:
