@@ -373,7 +373,7 @@ def test_sluice_run_and_every_command_over_tls(
         assert views[0]["ready"] == 1
         # ... with the options ...
         assert json.loads(_ok(_sluice("snapshot", "tlsecho", "--json", *explicit)))["replicas"]
-        _ok(_sluice("logs", "tlsecho", "--replica", "1", *explicit[:4],
+        _ok(_sluice("logs", "tlsecho", "--replica", "1", "--no-follow", *explicit[:4],
                     "--state-dir", str(state)))  # fmt: skip
         _ok(_sluice("replica", "add", "tlsecho", f"http://{HOST}:9", *explicit))
         _ok(_sluice("replica", "remove", "tlsecho", f"http://{HOST}:9", *explicit))
@@ -381,11 +381,11 @@ def test_sluice_run_and_every_command_over_tls(
         _ok(_sluice("update", "idle", str(idle), *explicit))
         # ... and through the environment.
         tls_env = {"SLUICE_REDIS_URL": server.url, "SLUICE_REDIS_CA_FILE": str(ca)}
-        _ok(_sluice("down", "idle", "--state-dir", str(tmp_path), env=tls_env))
+        _ok(_sluice("down", "idle", "-y", "--state-dir", str(tmp_path), env=tls_env))
         while _sluice("status", "idle", *explicit).exit_code == 0:  # until unregistered
             assert time.monotonic() < deadline + 60, log.read_text()
             time.sleep(0.1)
-        _ok(_sluice("down", "tlsecho", "--state-dir", str(tmp_path), env=tls_env))
+        _ok(_sluice("down", "tlsecho", "-y", "--state-dir", str(tmp_path), env=tls_env))
         code = proc.wait(timeout=60)  # the run sees its service go and stops everything
     finally:
         if proc.poll() is None:
