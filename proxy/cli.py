@@ -13,10 +13,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 import click
 
-from proxy.app import ProxyApp
+from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
@@ -50,11 +51,31 @@ def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+# A process still shutting down this long after grace + CLOSE_BOUND exits anyway.
+WATCHDOG_SLACK = 0.5
+
+
+def _exit_now(seconds: float) -> None:
+    # From the watchdog thread: no logging (its lock may be held by the stuck loop).
+    os.write(2, b"sluice-proxy: shutdown still not finished %.1fs after the signal; "
+                b"exiting now\n" % seconds)
+    os._exit(1)
+
+
 def run_proxy(config: ProxyConfig) -> None:
-    """Run one proxy process until SIGTERM/SIGINT, on uvloop."""
+    """Run one proxy process until SIGTERM/SIGINT, on uvloop.
+
+    Shutdown ends within `shutdown_grace + CLOSE_BOUND` (ProxyApp.aclose bounds
+    every step); a watchdog thread armed at the signal ends the process shortly
+    after that in any case, e.g. if a task ignores cancellation when the loop
+    is torn down.
+    """
     import uvloop
 
+    watchdog: threading.Timer | None = None
+
     async def serve() -> None:
+        nonlocal watchdog
         app = ProxyApp(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -66,10 +87,18 @@ def run_proxy(config: ProxyConfig) -> None:
             log.info("shutting down: draining in-flight requests (grace %.0fs)",
                      config.shutdown_grace)
         finally:
+            limit = config.shutdown_grace + CLOSE_BOUND + WATCHDOG_SLACK
+            watchdog = threading.Timer(limit, _exit_now, (limit,))
+            watchdog.daemon = True
+            watchdog.start()
             await app.aclose()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve())
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve())
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 ARGS_KEY = "sluice.proxy.args"

@@ -26,9 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from proxy.app import CLOSE_BOUND
+
 log = logging.getLogger("sluice.proxy")
 
-KILL_AFTER = 3.0  # seconds past the shutdown grace before a worker is SIGKILLed
+# Seconds past the shutdown grace before a worker is SIGKILLed: a worker ends by
+# itself within grace + CLOSE_BOUND (+ its watchdog's slack); this is the backstop.
+KILL_AFTER = CLOSE_BOUND + 1.0
 POLL = 0.05
 
 
