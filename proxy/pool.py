@@ -117,7 +117,9 @@ class ReplicaPool:
         except asyncio.CancelledError:
             self.total -= 1
             raise
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
+        except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
+            # ValueError: a host the resolver refuses (IDNA). apply() rejects those, but
+            # a slot must never leak whatever connecting raises.
             self.total -= 1
             if ex.wants_connection(self):
                 ex.on_connect_failed(UpstreamConnectError(type(exc).__name__))

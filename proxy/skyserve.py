@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from proxy.config import ProxyConfig
+from proxy.errors import SnapshotInvalid
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot
 from proxy.stats import Stats
@@ -157,7 +158,15 @@ class SkyServeSource:
             replicas=tuple(ReadyReplica(id=self._ids[u], url=u, accelerator=acc)
                            for u, acc in sorted(replicas.items())),
         )
-        self._ready_set.apply(snapshot)
+        try:
+            self._ready_set.apply(snapshot)
+        except SnapshotInvalid as exc:
+            # Logged and counted once: the same answer again is skipped above.
+            self._stats.snapshots_rejected += 1
+            log.warning("rejected the Sky Serve controller's ready set (%d replicas): %s; "
+                        "keeping %d replicas", len(replicas), exc,
+                        len(self._ready_set.replicas))
+            return
         log.info("ready set from the Sky Serve controller: %d replicas", len(replicas))
 
     async def _sync_forever(self) -> None:
