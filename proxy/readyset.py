@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.policies import Policy, make_policy
 from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.waiters import WaiterQueue
 
 log = logging.getLogger("sluice.proxy")
 
@@ -154,7 +155,8 @@ class ReadySet:
         self.known: dict[str, Replica] = {}
         self.policy: Policy = make_policy(policy_override or "least_load", target_qps)
         self.applied_at = 0.0  # wall clock of the last apply
-        self._waiters: list[Callable[[], None]] = []
+        # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).
+        self._waiters: WaiterQueue[Callable[[], None]] = WaiterQueue()
         # Called (no I/O: it sets an event) when a request starts waiting for a replica;
         # the Redis source turns it into a demand nudge for a service scaled to zero.
         self.on_hold: Callable[[], None] | None = None
@@ -211,8 +213,7 @@ class ReadySet:
         self.snapshot = snapshot
         self.applied_at = time.time()
         if replicas and self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for wake in waiters:
+            for wake in self._waiters.take_all():
                 wake()
         return True
 
@@ -225,10 +226,7 @@ class ReadySet:
             self.on_hold()
 
     def remove_waiter(self, wake: Callable[[], None]) -> None:
-        try:
-            self._waiters.remove(wake)
-        except ValueError:
-            pass
+        self._waiters.discard(wake)
 
     def is_ready(self, replica: Replica) -> bool:
         return replica.left_at is None
