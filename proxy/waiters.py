@@ -11,44 +11,32 @@ is O(1): an OrderedDict keyed by the waiter (its insertion order is the FIFO).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Hashable
+from typing import TypeVar
 
 W = TypeVar("W", bound=Hashable)
 
 
-class WaiterQueue(Generic[W]):
-    __slots__ = ("_items",)
+class WaiterQueue(OrderedDict[W, None]):
+    """An OrderedDict of waiters (values unused): len(), `in`, iteration and truth are the
+    dict's own (C, no Python call: `while pool.waiters` runs on every response)."""
 
-    def __init__(self) -> None:
-        self._items: OrderedDict[W, None] = OrderedDict()
+    __slots__ = ()
 
     def append(self, waiter: W) -> None:
         """Queue `waiter` at the end; one already queued keeps its place."""
-        self._items[waiter] = None
+        self[waiter] = None
 
     def discard(self, waiter: W) -> None:
         """Remove `waiter` wherever it is; nothing if it is not queued."""
-        self._items.pop(waiter, None)
+        self.pop(waiter, None)
 
     def popleft(self) -> W:
         """The oldest waiter, removed (KeyError when empty)."""
-        return self._items.popitem(last=False)[0]
+        return self.popitem(last=False)[0]
 
     def take_all(self) -> list[W]:
         """Every waiter, oldest first; the queue is empty afterwards."""
-        items = list(self._items)
-        self._items.clear()
+        items = list(self)
+        self.clear()
         return items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
-
-    def __contains__(self, waiter: object) -> bool:
-        return waiter in self._items
-
-    def __iter__(self) -> Iterator[W]:
-        return iter(self._items)
