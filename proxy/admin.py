@@ -31,7 +31,9 @@ class AdminServer:
         web_app.router.add_get("/readyz", self._readyz)
         web_app.router.add_get("/metrics", self._metrics)
         web_app.router.add_get("/snapshot", self._snapshot)
-        self._runner = web.AppRunner(web_app, access_log=None)
+        # aiohttp waits up to shutdown_timeout (60 s by default) for admin requests in
+        # progress at shutdown; ours answer at once, so a short wait is plenty.
+        self._runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port,
                            reuse_port=self._app.config.workers > 1)

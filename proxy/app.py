@@ -10,6 +10,12 @@ closes in the order written down in DESIGN.md and tested:
 3. abort what is still running;
 4. close the connection pools;
 5. close the source (Redis, the Sky Serve sync client) and the admin listener.
+
+Every step after the drain is bounded (CLOSE_BOUND seconds in all), whatever
+state the replicas, Redis or the Sky Serve controller are in: a SIGTERM ends the
+process within `shutdown_grace + CLOSE_BOUND`. Background tasks are stopped
+with proxy.tasks.stop_tasks, since one cancel does not always stop a loop that
+runs library code.
 """
 
 from __future__ import annotations
@@ -27,10 +33,13 @@ from proxy.readyset import ReadySet, Replica
 from proxy.server import ClientConnection, ServerContext
 from proxy.sources import Source, StaticSource
 from proxy.stats import Stats
+from proxy.tasks import bounded, stop_tasks
 
 log = logging.getLogger("sluice.proxy")
 
 TICK_SECONDS = 0.1
+# Seconds the steps after the drain may take in all: pools 0.5, source 2.0, admin 1.0.
+CLOSE_BOUND = 3.5
 
 
 def make_source(config: ProxyConfig, stats: Stats) -> Source:
@@ -153,17 +162,15 @@ class ProxyApp:
             for conn in list(ctx.connections):
                 if conn.transport is not None:
                     conn.transport.abort()
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+        await stop_tasks([self._ticker], 0.1)
+        self._ticker = None
         pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
         self.ready_set.close()
-        for pool in pools:
-            if isinstance(pool, ReplicaPool):
-                await pool.wait_closed()
-        await self.source.aclose()
+        waits = [pool.wait_closed() for pool in pools if isinstance(pool, ReplicaPool)]
+        if waits:
+            await bounded(asyncio.gather(*waits), 0.5, "closing the connection pools")
+        await bounded(self.source.aclose(), 2.0, "closing the ready-set source")
         if self.admin is not None:
-            await self.admin.aclose()
+            await bounded(self.admin.aclose(), 1.0, "closing the admin listener")
         if self.server is not None:
             await self.server.wait_closed()

@@ -1,8 +1,9 @@
 """`sluice-proxy` (also `sluice proxy`): parse options, build one ProxyConfig, run.
 
 With `--workers N > 1` this process supervises N worker processes that share
-the port with SO_REUSEPORT; each runs its own ready-set source and admin
-listener (worker i on admin port + i). uvloop is chosen here and only here.
+the port with SO_REUSEPORT (proxy/supervisor.py); each runs its own ready-set
+source and admin listener (worker i on admin port + i). uvloop is chosen here
+and only here.
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ import asyncio
 import logging
 import os
 import signal
-import subprocess
 import sys
-import time
+import threading
 
 import click
 
-from proxy.app import ProxyApp
+from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
+from proxy.supervisor import Supervisor
 
 log = logging.getLogger("sluice.proxy")
 
@@ -50,11 +51,31 @@ def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+# A process still shutting down this long after grace + CLOSE_BOUND exits anyway.
+WATCHDOG_SLACK = 0.5
+
+
+def _exit_now(seconds: float) -> None:
+    # From the watchdog thread: no logging (its lock may be held by the stuck loop).
+    os.write(2, b"sluice-proxy: shutdown still not finished %.1fs after the signal; "
+                b"exiting now\n" % seconds)
+    os._exit(1)
+
+
 def run_proxy(config: ProxyConfig) -> None:
-    """Run one proxy process until SIGTERM/SIGINT, on uvloop."""
+    """Run one proxy process until SIGTERM/SIGINT, on uvloop.
+
+    Shutdown ends within `shutdown_grace + CLOSE_BOUND` (ProxyApp.aclose bounds
+    every step); a watchdog thread armed at the signal ends the process shortly
+    after that in any case, e.g. if a task ignores cancellation when the loop
+    is torn down.
+    """
     import uvloop
 
+    watchdog: threading.Timer | None = None
+
     async def serve() -> None:
+        nonlocal watchdog
         app = ProxyApp(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -66,49 +87,34 @@ def run_proxy(config: ProxyConfig) -> None:
             log.info("shutting down: draining in-flight requests (grace %.0fs)",
                      config.shutdown_grace)
         finally:
+            limit = config.shutdown_grace + CLOSE_BOUND + WATCHDOG_SLACK
+            watchdog = threading.Timer(limit, _exit_now, (limit,))
+            watchdog.daemon = True
+            watchdog.start()
             await app.aclose()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve())
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve())
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
 
 
-def supervise_workers(n: int, argv: list[str]) -> int:
-    """Start n workers sharing the port; forward SIGTERM/SIGINT; restart a worker that dies."""
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    stopping = False
-
-    def spawn(i: int) -> None:
-        procs[i] = subprocess.Popen([sys.executable, "-m", "proxy.cli", *argv,
-                                     "--worker-index", str(i)])
-
-    def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for i in range(n):
-        spawn(i)
-    while True:
-        alive = False
-        for i, p in list(procs.items()):
-            code = p.poll()
-            if code is None:
-                alive = True
-            elif not stopping:
-                log.error("worker %d exited with %s; restarting it", i, code)
-                time.sleep(0.5)
-                spawn(i)
-                alive = True
-        if not alive:
-            return 0
-        time.sleep(0.2)
+ARGS_KEY = "sluice.proxy.args"
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"],
+class _ProxyCommand(click.Command):
+    """Keeps the options it was given (ctx.meta[ARGS_KEY]): the supervisor re-executes its
+    workers with them, whichever entry point (`sluice proxy`, `sluice-proxy`) parsed them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGS_KEY] = list(args)
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_ProxyCommand,
+               context_settings={"help_option_names": ["-h", "--help"],
                                  "max_content_width": 100})
 @click.option("--replicas", help="Static ready set: comma-separated replica URLs "
               "(http://host:port). One of --replicas, --redis or --controller-addr.")
@@ -227,7 +233,8 @@ def proxy_command(**opts: object) -> None:
     if workers > 1 and index is None:
         if config.port == 0:
             raise click.UsageError("--workers > 1 needs a fixed --port")
-        sys.exit(supervise_workers(workers, sys.argv[1:]))
+        args = click.get_current_context().meta[ARGS_KEY]
+        sys.exit(Supervisor(workers, args, shutdown_grace=config.shutdown_grace).run())
     try:
         run_proxy(config)
     except ConfigError as exc:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections import deque
 from typing import TYPE_CHECKING
 
 from proxy.errors import UpstreamConnectError
 from proxy.upstream import UpstreamConnection
+from proxy.waiters import WaiterQueue
 
 if TYPE_CHECKING:
     from proxy.readyset import Replica
@@ -38,7 +38,7 @@ class ReplicaPool:
         self.ssl_context = ssl_context
         self.idle: list[UpstreamConnection] = []
         self.total = 0  # open plus opening connections
-        self.waiters: deque[Exchange] = deque()
+        self.waiters: WaiterQueue[Exchange] = WaiterQueue()  # FIFO, O(1) cancel
         self.closed = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -62,10 +62,7 @@ class ReplicaPool:
 
     def cancel(self, ex: Exchange) -> None:
         """`ex` no longer wants a connection (it timed out, the client left, it retried)."""
-        try:
-            self.waiters.remove(ex)
-        except ValueError:
-            pass
+        self.waiters.discard(ex)
 
     def release(self, conn: UpstreamConnection, reusable: bool) -> None:
         conn.exchange = None
@@ -117,7 +114,9 @@ class ReplicaPool:
         except asyncio.CancelledError:
             self.total -= 1
             raise
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
+        except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
+            # ValueError: a host the resolver refuses (IDNA). apply() rejects those, but
+            # a slot must never leak whatever connecting raises.
             self.total -= 1
             if ex.wants_connection(self):
                 ex.on_connect_failed(UpstreamConnectError(type(exc).__name__))
@@ -138,8 +137,7 @@ class ReplicaPool:
         for conn in self.idle:
             conn.close()
         self.idle.clear()
-        waiters, self.waiters = self.waiters, deque()
-        for ex in waiters:
+        for ex in self.waiters.take_all():
             if ex.wants_connection(self):
                 ex.on_connect_failed(UpstreamConnectError("PoolClosed"))
 

@@ -3,7 +3,15 @@
 Every source of the ready set (a static list, Redis, the Sky Serve sync
 protocol) calls `ReadySet.apply(snapshot)`; nothing else in the proxy knows
 where snapshots come from. Applying is one reference swap: requests in flight
-keep the Replica they picked. A Replica (and its connection pool) outlives its
+keep the Replica they picked.
+
+`apply` is also the boundary where a snapshot is checked for what would break
+the proxy although it passed wire validation: a URL with a port out of range,
+an empty host, a host that is neither an IP address nor an ASCII DNS name with
+labels of at most 63 bytes, a scheme other than http/https, a duplicate
+replica id or URL. Such a snapshot raises SnapshotInvalid (naming the replica
+and the defect) before any state changes: it is rejected whole and the set in
+force stays. The source counts and logs it. A Replica (and its connection pool) outlives its
 absence from the set for `pool_grace` seconds, so a replica that flaps out for
 one snapshot comes back warm; its pool is closed only after the grace and with
 nothing in flight.
@@ -11,17 +19,64 @@ nothing in flight.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.policies import Policy, make_policy
 from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.waiters import WaiterQueue
 
 log = logging.getLogger("sluice.proxy")
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+
+
+def _check_host(host: str) -> None:
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not host.isascii():
+        raise SnapshotInvalid(f"host {host!r} is not ASCII (use its punycode form)")
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253:
+        raise SnapshotInvalid(f"host {host[:40]!r}... is longer than 253 bytes")
+    for label in name.split("."):
+        if not _DNS_LABEL.match(label):
+            shown = label if len(label) <= 70 else label[:60] + "..."
+            raise SnapshotInvalid(
+                f"host {host[:80]!r}: label {shown!r} is not 1-63 letters, digits, "
+                f"'-' or '_' ({len(label)} bytes)")
+
+
+def parse_replica_url(url: str) -> tuple[bool, str, int]:
+    """(tls, host, port) of a replica URL; SnapshotInvalid says what is wrong with it."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise SnapshotInvalid(f"url {url!r}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise SnapshotInvalid(f"url {url!r}: scheme must be http or https")
+    host = parts.hostname
+    if not host:
+        raise SnapshotInvalid(f"url {url!r} has no host")
+    if port == 0:
+        raise SnapshotInvalid(f"url {url!r}: port 0")
+    try:
+        _check_host(host)
+    except SnapshotInvalid as exc:
+        raise SnapshotInvalid(f"url {url[:120]!r}: {exc}") from None
+    tls = parts.scheme == "https"
+    return tls, host, port or (443 if tls else 80)
 
 
 class Pool(Protocol):
@@ -52,18 +107,16 @@ class Replica:
     )
 
     def __init__(self, info: ReadyReplica) -> None:
-        parts = urlsplit(info.url)
-        if parts.hostname is None:
-            raise ConfigError(f"replica url has no host: {info.url!r}")
+        try:
+            self.tls, self.host, self.port = parse_replica_url(info.url)
+        except SnapshotInvalid as exc:
+            raise SnapshotInvalid(f"replica {info.id}: {exc}") from None
         self.url = info.url
-        self.tls = parts.scheme == "https"
-        self.host = parts.hostname
-        self.port = parts.port or (443 if self.tls else 80)
         default_port = 443 if self.tls else 80
         netloc = f"[{self.host}]" if ":" in self.host else self.host
         if self.port != default_port:
             netloc = f"{netloc}:{self.port}"
-        self.host_header = netloc.encode("latin-1")
+        self.host_header = netloc.encode("ascii")
         self.id = info.id
         self.version = info.version
         self.accelerator = info.accelerator
@@ -102,7 +155,8 @@ class ReadySet:
         self.known: dict[str, Replica] = {}
         self.policy: Policy = make_policy(policy_override or "least_load", target_qps)
         self.applied_at = 0.0  # wall clock of the last apply
-        self._waiters: list[Callable[[], None]] = []
+        # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).
+        self._waiters: WaiterQueue[Callable[[], None]] = WaiterQueue()
         # Called (no I/O: it sets an event) when a request starts waiting for a replica;
         # the Redis source turns it into a demand nudge for a service scaled to zero.
         self.on_hold: Callable[[], None] | None = None
@@ -115,14 +169,16 @@ class ReadySet:
         """Install `snapshot` if it is newer than the one in force; True if applied.
 
         `reset=True` installs it whatever its generation: the source knows the
-        generations it follows restarted (Redis lost its data).
+        generations it follows restarted (Redis lost its data). A snapshot that would
+        break the proxy raises SnapshotInvalid and changes nothing (module doc).
         """
         current = self.snapshot
         if current is not None and snapshot.generation <= current.generation and not reset:
             return False
         now = self._clock()
-        # Build every new Replica before touching any state: a URL that fails here
-        # (ConfigError) leaves the set exactly as it was.
+        # Check the whole snapshot and build every new Replica before touching any state:
+        # a defect (SnapshotInvalid) leaves the set exactly as it was.
+        _check_unique(snapshot)
         fresh = {info.url: Replica(info) for info in snapshot.replicas
                  if info.url not in self.known}
         replicas: list[Replica] = []
@@ -157,8 +213,7 @@ class ReadySet:
         self.snapshot = snapshot
         self.applied_at = time.time()
         if replicas and self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for wake in waiters:
+            for wake in self._waiters.take_all():
                 wake()
         return True
 
@@ -171,10 +226,7 @@ class ReadySet:
             self.on_hold()
 
     def remove_waiter(self, wake: Callable[[], None]) -> None:
-        try:
-            self._waiters.remove(wake)
-        except ValueError:
-            pass
+        self._waiters.discard(wake)
 
     def is_ready(self, replica: Replica) -> bool:
         return replica.left_at is None
@@ -198,3 +250,15 @@ class ReadySet:
         self.known.clear()
         self.replicas = ()
         self.policy.update(())
+
+
+def _check_unique(snapshot: ReadySnapshot) -> None:
+    ids: set[int] = set()
+    urls: set[str] = set()
+    for info in snapshot.replicas:
+        if info.id in ids:
+            raise SnapshotInvalid(f"duplicate replica id {info.id}")
+        if info.url in urls:
+            raise SnapshotInvalid(f"duplicate replica url {info.url!r}")
+        ids.add(info.id)
+        urls.add(info.url)

@@ -23,7 +23,6 @@ so pointing it at sluice is a one-line import change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any, Protocol
@@ -31,9 +30,11 @@ from typing import Any, Protocol
 import aiohttp
 
 from proxy.config import ProxyConfig
+from proxy.errors import SnapshotInvalid
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot
 from proxy.stats import Stats
+from proxy.tasks import bounded, stop_tasks
 
 log = logging.getLogger("sluice.proxy.skyserve")
 
@@ -82,6 +83,7 @@ class SkyServeSource:
         self._samples: list[tuple[float, int]] = []  # (time, requests in that 100 ms)
         self._counted = 0
         self._unsent: list[float] = []
+        self._closing = False  # set by aclose(); the loops check it (see proxy/tasks.py)
 
     async def start(self, ready_set: ReadySet) -> None:
         self._ready_set = ready_set
@@ -94,13 +96,13 @@ class SkyServeSource:
                        loop.create_task(self._sample_forever())]
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Stop the loops and close the client session, each step bounded (1.5 s in all),
+        also with a controller that accepts and never answers."""
+        self._closing = True
+        await stop_tasks(self._tasks, 1.0)
+        self._tasks = []
         if self._session is not None:
-            await self._session.close()
+            await bounded(self._session.close(), 0.5, "closing the Sky Serve sync session")
 
     def sample(self, now: float) -> None:
         total = self._stats.requests_total
@@ -156,12 +158,20 @@ class SkyServeSource:
             replicas=tuple(ReadyReplica(id=self._ids[u], url=u, accelerator=acc)
                            for u, acc in sorted(replicas.items())),
         )
-        self._ready_set.apply(snapshot)
+        try:
+            self._ready_set.apply(snapshot)
+        except SnapshotInvalid as exc:
+            # Logged and counted once: the same answer again is skipped above.
+            self._stats.snapshots_rejected += 1
+            log.warning("rejected the Sky Serve controller's ready set (%d replicas): %s; "
+                        "keeping %d replicas", len(replicas), exc,
+                        len(self._ready_set.replicas))
+            return
         log.info("ready set from the Sky Serve controller: %d replicas", len(replicas))
 
     async def _sync_forever(self) -> None:
         assert self._ready_set is not None
-        while True:
+        while not self._closing:
             await asyncio.sleep(self._interval)
             try:
                 had = bool(self._ready_set.replicas)
@@ -174,10 +184,12 @@ class SkyServeSource:
                         if await self.sync_once() and self._ready_set.replicas:
                             break
             except Exception:
+                if self._closing:
+                    return  # a cancellation the client turned into an error
                 log.exception("sync loop error")
 
     async def _sample_forever(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(SAMPLE_SECONDS)
             self.sample(time.time())
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot
 
@@ -31,6 +32,12 @@ class StaticSource:
         self._policy = policy
 
     async def start(self, ready_set: ReadySet) -> None:
+        try:
+            self._apply(ready_set)
+        except (SnapshotInvalid, ValueError) as exc:  # ValueError: the Struct's own checks
+            raise ConfigError(f"--replicas: {exc}") from exc
+
+    def _apply(self, ready_set: ReadySet) -> None:
         ready_set.apply(
             ReadySnapshot(
                 service="static",

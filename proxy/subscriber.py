@@ -56,6 +56,7 @@ from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
 from proxy.snapshot import decode_snapshot
 from proxy.stats import Stats
+from proxy.tasks import bounded, stop_tasks
 
 log = logging.getLogger("sluice.proxy.redis")
 
@@ -158,6 +159,7 @@ class RedisSource:
         self._flush_failing = False
         self._applied_any = False
         self._rejected: deque[bytes] = deque(maxlen=16)  # digests of rejected payloads
+        self._closing = False  # set by aclose(); every loop checks it (see proxy/tasks.py)
 
     @property
     def connected(self) -> bool:
@@ -191,34 +193,31 @@ class RedisSource:
                 await self._synced.wait()
 
     async def aclose(self) -> None:
-        """Stop both tasks, flush the last request counts (briefly), close the client."""
+        """Stop the tasks, flush the last request counts, close the client: each step
+        bounded (2 s in all), whatever state Redis is in."""
+        self._closing = True
         if self._ready_set is not None:
             self._ready_set.on_hold = None
-        tasks = [t for t in (self._sync_task, self._flush_task, self._demand_task)
-                 if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks((self._sync_task, self._flush_task, self._demand_task), 1.0)
         self._sync_task = self._flush_task = self._demand_task = None
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(min(1.0, self._command_timeout)):
-                    await self._flush(client)
-            await client.aclose()
+            await bounded(self._flush(client), min(0.5, self._command_timeout),
+                          f"service {self._service}: the last rps flush")
+            await bounded(client.aclose(), 0.5, "closing the Redis client")
         self._stats.source_connected = 0
 
     # -- following snapshots ------------------------------------------------------------------
 
     async def _sync_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the loop's one broad except: log, back off, retry
+                if self._closing:
+                    return  # a cancellation redis-py turned into an error
                 was_connected = self._stats.source_connected == 1
                 self._stats.source_connected = 0
                 if was_connected or self._failures == 0:
@@ -265,7 +264,7 @@ class RedisSource:
             self._synced.set()
             loop = asyncio.get_running_loop()
             next_resync = loop.time() + self._resync_interval
-            while True:
+            while not self._closing:
                 wait = max(0.0, next_resync - loop.time())
                 message = await pubsub.get_message(timeout=wait)
                 if message is not None and message["type"] == "message":
@@ -349,7 +348,7 @@ class RedisSource:
         client = self._client
         assert client is not None
         interval = self._flush_interval
-        while True:
+        while not self._closing:
             # Ticks on multiples of the interval (whole seconds by default), so each
             # flush covers about one second.
             await asyncio.sleep(interval - self._clock() % interval)
@@ -358,6 +357,8 @@ class RedisSource:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the loop's one broad except; the count is kept
+                if self._closing:
+                    return
                 if not self._flush_failing:
                     log.warning("service %s: rps flush failed: %s", self._service, _describe(exc))
                 self._flush_failing = True
@@ -390,7 +391,7 @@ class RedisSource:
 
     async def _demand_loop(self) -> None:
         """Publish a demand nudge when a request is held with no replica (max 1/s)."""
-        while True:
+        while not self._closing:
             await self._demand.wait()
             self._demand.clear()
             client = self._client

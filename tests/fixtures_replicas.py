@@ -7,7 +7,8 @@ returns them (a list of ``Replica``) once each answers ``/health`` 200 (with
 ``await replica_factory.astart(...)`` does the same without blocking the loop.
 
 ``proxy_factory(*args, replicas=None, workers=None, wait="auto",
-startup_timeout=20.0, env=None)`` starts ``python -m proxy.cli`` with ``args``
+startup_timeout=20.0, env=None, command=None)`` starts ``python -m proxy.cli``
+(or ``command``, e.g. the ``sluice proxy`` console script) with ``args``
 on a free port and admin port(s) (worker i on admin port + i; ``--host
 127.0.0.1`` unless given) and returns a ``Proxy`` once every worker's admin
 ``/readyz`` (``wait="ready"``) or ``/healthz`` (``wait="health"``) answers 200;
@@ -205,7 +206,7 @@ class Replica(Process):
 class Proxy(Process):
     def __init__(
         self, args: Sequence[str], port: int, admin_port: int, workers: int, log_dir: Path,
-        env: dict[str, str] | None,
+        env: dict[str, str] | None, command: Sequence[str] | None = None,
     ) -> None:  # fmt: skip
         self.port = port
         self.admin_port = admin_port  # worker i listens on admin_port + i
@@ -214,7 +215,7 @@ class Proxy(Process):
         self.url = f"{scheme}://{HOST}:{port}"
         self.admin_url = f"http://{HOST}:{admin_port}"
         self.admin_urls = [f"http://{HOST}:{admin_port + i}" for i in range(workers)]
-        argv = [sys.executable, "-m", "proxy.cli", "--port", str(port),
+        argv = [*(command or (sys.executable, "-m", "proxy.cli")), "--port", str(port),
                 "--admin-port", str(admin_port), *args]  # fmt: skip
         if "--host" not in args:
             argv += ["--host", HOST]
@@ -332,6 +333,7 @@ class ProxyFactory(_Factory):
     def _spawn(
         self, args: Sequence[str], replicas: Sequence[Replica | str] | None,
         workers: int | None, env: dict[str, str] | None, wait: WaitMode,
+        command: Sequence[str] | None = None,
     ) -> tuple[Proxy, list[_Target]]:  # fmt: skip
         argv = list(args)
         if replicas is not None:
@@ -340,7 +342,7 @@ class ProxyFactory(_Factory):
         if workers is not None:
             argv += ["--workers", str(workers)]
         n = workers or 1
-        p = Proxy(argv, free_port(), free_port(n), n, self.log_dir, env)
+        p = Proxy(argv, free_port(), free_port(n), n, self.log_dir, env, command)
         self.started.append(p)
         if wait == "auto":
             wait = "ready" if replicas else "health"
@@ -353,18 +355,18 @@ class ProxyFactory(_Factory):
     def __call__(
         self, *args: str, replicas: Sequence[Replica | str] | None = None,
         workers: int | None = None, wait: WaitMode = "auto", startup_timeout: float = 20.0,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, command: Sequence[str] | None = None,
     ) -> Proxy:  # fmt: skip
-        p, targets = self._spawn(args, replicas, workers, env, wait)
+        p, targets = self._spawn(args, replicas, workers, env, wait, command)
         self._wait_sync(targets, startup_timeout, "proxy")
         return p
 
     async def astart(
         self, *args: str, replicas: Sequence[Replica | str] | None = None,
         workers: int | None = None, wait: WaitMode = "auto", startup_timeout: float = 20.0,
-        env: dict[str, str] | None = None,
+        env: dict[str, str] | None = None, command: Sequence[str] | None = None,
     ) -> Proxy:  # fmt: skip
-        p, targets = self._spawn(args, replicas, workers, env, wait)
+        p, targets = self._spawn(args, replicas, workers, env, wait, command)
         await self._wait_async(targets, startup_timeout, "proxy")
         return p
 
