@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import click
 
+from proxy import compat
 from proxy.app import ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
@@ -68,8 +71,7 @@ def run_proxy(config: ProxyConfig) -> None:
         finally:
             await app.aclose()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve())
+    compat.run(serve(), loop_factory=uvloop.new_event_loop)
 
 
 def supervise_workers(n: int, argv: list[str]) -> int:
@@ -137,6 +139,7 @@ def supervise_workers(n: int, argv: list[str]) -> int:
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Processes sharing the port (SO_REUSEPORT).")
 @click.option("--worker-index", type=int, default=None, hidden=True)
+@click.option("--sync-relay", default=None, hidden=True)
 @click.option("--policy", "--load-balancing-policy", "policy",
               type=click.Choice(sorted(POLICIES)), default=None,
               help="Load-balancing policy; default: the snapshot's (least_load).")
@@ -203,6 +206,7 @@ def proxy_command(**opts: object) -> None:
         sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
         sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]
         quick_resync=bool(opts["quick_resync"]),
+        sync_relay=opts["sync_relay"],  # type: ignore[arg-type]
         policy=opts["policy"],  # type: ignore[arg-type]
         target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
         pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
@@ -223,7 +227,19 @@ def proxy_command(**opts: object) -> None:
     if workers > 1 and index is None:
         if config.port == 0:
             raise click.UsageError("--workers > 1 needs a fixed --port")
-        sys.exit(supervise_workers(workers, sys.argv[1:]))
+        argv = sys.argv[1:]
+        relay_dir = None
+        if config.controller_addr:
+            # Drop-in mode: worker 0 alone syncs with the controller; the others relay
+            # through a private unix socket (proxy/skyserve.py).
+            relay_dir = tempfile.mkdtemp(prefix="sluice-sync-")
+            argv = [*argv, "--sync-relay", os.path.join(relay_dir, "relay.sock")]
+        try:
+            code = supervise_workers(workers, argv)
+        finally:
+            if relay_dir is not None:
+                shutil.rmtree(relay_dir, ignore_errors=True)
+        sys.exit(code)
     try:
         run_proxy(config)
     except ConfigError as exc:

@@ -117,7 +117,7 @@ class ReplicaPool:
         except asyncio.CancelledError:
             self.total -= 1
             raise
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
             self.total -= 1
             if ex.wants_connection(self):
                 ex.on_connect_failed(UpstreamConnectError(type(exc).__name__))

@@ -43,6 +43,7 @@ class Replica:
         "id",
         "inflight",
         "left_at",
+        "path",
         "pool",
         "port",
         "target_qps",
@@ -64,6 +65,9 @@ class Replica:
         if self.port != default_port:
             netloc = f"{netloc}:{self.port}"
         self.host_header = netloc.encode("latin-1")
+        # A path in the URL (Sky Serve's Kubernetes ingress: http://host/skypilot/ns/c/port)
+        # prefixes every request path sent to this replica.
+        self.path = parts.path.rstrip("/").encode("latin-1")
         self.id = info.id
         self.version = info.version
         self.accelerator = info.accelerator

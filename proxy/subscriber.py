@@ -51,6 +51,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from proxy.compat import timeout
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
@@ -172,8 +173,8 @@ class RedisSource:
         self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
         self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
         ready_set.on_hold = self._demand.set
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._start_timeout):
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with timeout(self._start_timeout):
                 await self._synced.wait()
 
     async def aclose(self) -> None:
@@ -191,7 +192,7 @@ class RedisSource:
         client, self._client = self._client, None
         if client is not None:
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(min(1.0, self._command_timeout)):
+                async with timeout(min(1.0, self._command_timeout)):
                     await self._flush(client)
             await client.aclose()
         self._stats.source_connected = 0
@@ -234,7 +235,7 @@ class RedisSource:
             await pubsub.subscribe(self._channel)
             # The GET must come after the server registered the subscription, or a
             # commit between the two would be missed until the next resync.
-            async with asyncio.timeout(self._connect_timeout):
+            async with timeout(self._connect_timeout):
                 while True:
                     message = await pubsub.get_message(timeout=self._connect_timeout)
                     if message is not None and message["type"] == "subscribe":
