@@ -460,6 +460,9 @@ def dropin_config(
         retry_deadline=max(defaults.retry_deadline, stream_timeout),
         tls_certfile=tls_credential.certfile if tls_credential else None,
         tls_keyfile=tls_credential.keyfile if tls_credential else None,
+        # No admin listener: Sky Serve starts one load balancer per service on the
+        # controller host, and none of them owns a well-known port there.
+        admin_port=None,
     )
 
 
