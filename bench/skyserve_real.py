@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.lb == "sky":
         os.environ["SLUICE_SKYSERVE_LB"] = "0"
     import sky
-    from sky.serve import load_balancer, replica_managers, serve_state, service_spec
     from sky.serve import controller as controller_lib
+    from sky.serve import load_balancer, replica_managers, serve_state, service_spec
     from sky.utils import ux_utils
 
     logs = work / "logs"
