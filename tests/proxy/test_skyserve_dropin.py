@@ -13,6 +13,7 @@ import ssl
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -262,3 +263,29 @@ def test_dropin_deadline_waits_as_long_as_skys_stream_timeout() -> None:
     assert config.stream_idle_timeout == 120.0
     assert dropin_config("http://127.0.0.1:1", 8080, None, None, None, 600).retry_deadline == 600
     assert dropin_config("http://127.0.0.1:1", 8080, None, None, None, 10).retry_deadline == 60
+
+
+async def test_sync_body_is_encoded_off_the_event_loop(stub, monkeypatch) -> None:
+    # Issue 12 item 10: a minute of timestamps at 5k req/s is 300k floats to encode.
+    from proxy import skyserve
+    from proxy.config import ProxyConfig
+    from proxy.readyset import ReadySet
+    from proxy.stats import Stats
+
+    threads: list[threading.Thread] = []
+    real = skyserve.encode_sync_body
+
+    def spy(batch: list[tuple[float, int]]) -> bytes:
+        threads.append(threading.current_thread())
+        return real(batch)
+
+    monkeypatch.setattr(skyserve, "encode_sync_body", spy)
+    stub.script = [{}]
+    stats = Stats()
+    source = skyserve.SkyServeSource(ProxyConfig(controller_addr=stub.url, port=0), stats)
+    await source.start(ReadySet())
+    stats.requests_total += 3
+    assert await source.sync_once()
+    await source.aclose()
+    assert len(stub.timestamps) == 3
+    assert threads and all(t is not threading.main_thread() for t in threads)
