@@ -328,10 +328,12 @@ def table(args: argparse.Namespace) -> None:
         if not python.exists():
             print(f"skip {label}: {python} missing", file=sys.stderr)
             continue
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out, \
+                tempfile.NamedTemporaryFile(suffix=".log", delete=False) as log:
+            print(f"running: {label} (controller output: {log.name})", file=sys.stderr)
             subprocess.run([str(python), __file__, *extra, "--rate", str(args.rate),
                             "--phase-seconds", str(args.phase_seconds), "--json", out.name],
-                           cwd=ROOT, check=True)
+                           cwd=ROOT, check=True, stdout=log, stderr=subprocess.STDOUT)
             rows.append((label, json.loads(Path(out.name).read_text())))
     print(f"\n{args.rate:g} req/s, {args.phase_seconds:g} s per phase; hung = no answer "
           f"in {HUNG_AFTER:g} s; sync failures from the LB's log\n")
@@ -345,7 +347,7 @@ def table(args: argparse.Namespace) -> None:
                   f"| {ph['2xx']:3} | {ph['non-2xx']:7} | {ph['hung']:4} | {fails:>13} |")
     print()
     for label, res in rows:
-        sent = sum(p["sent"] for p in res["phases"])
+        sent = res["requests_sent"]  # the phases' requests and the readiness probes'
         print(f"{label}: python {res['python']}, autoscaler saw {res['autoscaler_requests']} "
               f"of {sent} requests (sorted: {res['autoscaler_sorted']}, "
               f"QPS {res['autoscaler_qps']:.2f}), r3 served {res['replica_served']['r3']}")
