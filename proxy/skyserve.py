@@ -142,12 +142,9 @@ class RequestLog:
     def trim(self, now: float) -> int:
         """Drop counts older than the window; the number of requests dropped."""
         horizon = now - self._window
-        dropped = 0
-        for name in ("_unsent", "_pending"):
-            samples: list[Sample] = getattr(self, name)
-            if samples and min(t for t, _ in samples) < horizon:
-                dropped += sum(n for t, n in samples if t < horizon)
-                setattr(self, name, [s for s in samples if s[0] >= horizon])
+        self._unsent, old_unsent = _split_at(self._unsent, horizon)
+        self._pending, old_pending = _split_at(self._pending, horizon)
+        dropped = old_unsent + old_pending
         self.dropped += dropped
         return dropped
 
@@ -170,6 +167,13 @@ class RequestLog:
 
     def give_back(self, batch: list[Sample]) -> None:
         self._unsent = batch + self._unsent
+
+
+def _split_at(samples: list[Sample], horizon: float) -> tuple[list[Sample], int]:
+    """The samples at or after `horizon`, and how many requests the others held."""
+    if not samples or min(t for t, _ in samples) >= horizon:
+        return samples, 0
+    return [s for s in samples if s[0] >= horizon], sum(n for t, n in samples if t < horizon)
 
 
 class _Counter:
@@ -236,7 +240,7 @@ class SkyServeSource:
         self._ready_set: ReadySet | None = None
         self._applier = _SetApplier(config.policy or "least_load")
         self._counter = _Counter(stats)
-        self.log = RequestLog()
+        self.requests = RequestLog()
         self._workers: dict[int, tuple[float, float]] = {}  # index -> (until, heard at)
 
     async def start(self, ready_set: ReadySet) -> None:
@@ -267,7 +271,7 @@ class SkyServeSource:
     def sample(self, now: float) -> None:
         n = self._counter.sample()
         if n:
-            self.log.add(now, n)
+            self.requests.add(now, n)
 
     def _watermark(self, now: float) -> float:
         """Up to when every worker has reported its counts (a silent worker is skipped)."""
@@ -282,12 +286,12 @@ class SkyServeSource:
         assert self._session is not None and self._ready_set is not None
         now = time.time()
         self.sample(now)
-        dropped = self.log.trim(now)
+        dropped = self.requests.trim(now)
         if dropped:
             log.warning("dropped %d request timestamps older than %.0f s (controller "
                         "unreachable); %d dropped in all", dropped, WINDOW_SECONDS,
-                        self.log.dropped)
-        batch = self.log.take(self._watermark(now))
+                        self.requests.dropped)
+        batch = self.requests.take(self._watermark(now))
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(None, encode_sync_body, batch)
         try:
@@ -297,7 +301,7 @@ class SkyServeSource:
                 resp.raise_for_status()
                 replicas = parse_sync_reply(await resp.json(content_type=None))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            self.log.give_back(batch)
+            self.requests.give_back(batch)
             self._stats.source_connected = 0
             log.warning("sync with the Sky Serve controller failed (%s: %s); "
                         "keeping %d replicas", type(exc).__name__, exc,
@@ -345,7 +349,7 @@ class SkyServeSource:
             msg = _RELAY_REQ_DECODER.decode(await request.read())
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return web.Response(status=400, text=str(exc))
-        self.log.extend(msg.samples)
+        self.requests.extend(msg.samples)
         self._workers[msg.worker] = (msg.until, time.time())
         return web.Response(body=_ENCODER.encode(_RelayReply(self._applier.current)),
                             content_type="application/json")
