@@ -61,6 +61,9 @@ SERVICE = "bench-svc"
 PHASES = ("2 replicas", "add one", "remove one", "one empty answer")
 SYNC_FAIL = re.compile(r"sync with the Sky Serve controller failed|"
                        r"An error occurred when syncing with the controller")
+# A sync written on a connection the controller had already closed (issue 14, item 1).
+STALE_SYNC = re.compile(r"sync with the Sky Serve controller failed \((ClientOSError|"
+                        r"ServerDisconnectedError|ClientConnectionResetError)")
 
 
 def free_port() -> int:
@@ -285,6 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sluice_from": str(Path(importlib.import_module("proxy").__file__ or "").parent),
             "tls": args.tls, "phases": results,
             "sync_failures": len(SYNC_FAIL.findall(log_text)),
+            "stale_connection_syncs": len(STALE_SYNC.findall(log_text)),
             "autoscaler_requests": len(stamps),
             "requests_sent": sent,  # the phases' and the readiness probes' requests
             "autoscaler_sorted": stamps == sorted(stamps),
