@@ -288,6 +288,7 @@ class SkyServeSource:
         self.sample(now)
         dropped = self.requests.trim(now)
         if dropped:
+            self._stats.timestamps_dropped += dropped
             log.warning("dropped %d request timestamps older than %.0f s (controller "
                         "unreachable); %d dropped in all", dropped, WINDOW_SECONDS,
                         self.requests.dropped)

@@ -289,3 +289,24 @@ async def test_sync_body_is_encoded_off_the_event_loop(stub, monkeypatch) -> Non
     await source.aclose()
     assert len(stub.timestamps) == 3
     assert threads and all(t is not threading.main_thread() for t in threads)
+
+
+async def test_counts_older_than_the_window_are_dropped_and_counted(stub) -> None:
+    from proxy import skyserve
+    from proxy.config import ProxyConfig
+    from proxy.readyset import ReadySet
+    from proxy.stats import Stats
+
+    stub.script = [{}]
+    stats = Stats()
+    source = skyserve.SkyServeSource(ProxyConfig(controller_addr=stub.url, port=0), stats)
+    await source.start(ReadySet())
+    try:
+        # What an unreachable controller leaves behind: counts from two minutes ago.
+        source.requests.add(time.time() - 120, 5)
+        source.requests.add(time.time() - 1, 2)
+        assert await source.sync_once()
+    finally:
+        await source.aclose()
+    assert len(stub.timestamps) == 2
+    assert stats.timestamps_dropped == 5
