@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from proxy.errors import ConfigError
 from proxy.policies import Policy, make_policy
@@ -67,7 +67,7 @@ class Replica:
         self.host_header = netloc.encode("latin-1")
         # A path in the URL (Sky Serve's Kubernetes ingress: http://host/skypilot/ns/c/port)
         # prefixes every request path sent to this replica.
-        self.path = parts.path.rstrip("/").encode("latin-1")
+        self.path = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~").encode("ascii")
         self.id = info.id
         self.version = info.version
         self.accelerator = info.accelerator
