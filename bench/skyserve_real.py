@@ -286,6 +286,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "lb": args.lb, "python": sys.version.split()[0], "skypilot": sky.__version__,
             "sluice_from": str(Path(importlib.import_module("proxy").__file__ or "").parent),
+            # Which run_load_balancer service.py's `load_balancer` module hands out.
+            "entry_point": load_balancer.run_load_balancer.__module__,
             "tls": args.tls, "phases": results,
             "sync_failures": len(SYNC_FAIL.findall(log_text)),
             "stale_connection_syncs": len(STALE_SYNC.findall(log_text)),

@@ -60,4 +60,6 @@ def test_sky_serve_controller_drives_sluice(tmp_path, venv, lb, python) -> None:
     assert res["autoscaler_sorted"]
     assert res["autoscaler_qps"] == pytest.approx(res["requests_sent"] / 60)
     if lb == "sluice":
+        # Started through the sluice-skyserve import hook: no SkyPilot file was edited.
+        assert res["entry_point"] == "proxy.skyserve"
         assert res["lb_log_has_sluice"], "sluice's records missing from load_balancer.log"
