@@ -36,8 +36,12 @@ class _Loader:
 
     def exec_module(self, module: ModuleType) -> None:
         self._real.exec_module(module)
-        from proxy.skyserve import run_load_balancer
-
+        try:
+            from proxy.skyserve import run_load_balancer
+        except ImportError as exc:  # sluice missing or broken: Sky's own LB keeps working
+            print(f"sluice-skyserve: cannot import sluice ({exc}); Sky Serve's own load "
+                  "balancer stays in use", file=sys.stderr)
+            return
         module.sky_run_load_balancer = module.run_load_balancer  # type: ignore[attr-defined]
         module.run_load_balancer = run_load_balancer  # type: ignore[attr-defined]
 
