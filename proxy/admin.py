@@ -35,9 +35,12 @@ class AdminServer:
         # progress at shutdown; ours answer at once, so a short wait is plenty.
         self._runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port,
-                           reuse_port=self._app.config.workers > 1)
+        # No SO_REUSEPORT: each worker has its own admin port, and a second load
+        # balancer on the host must not share (and split the scrapes of) ours.
+        site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
+        bound = self._runner.addresses[0]  # the real port when asked for port 0
+        self.url = f"http://{self._host}:{bound[1]}"
 
     async def aclose(self) -> None:
         if self._runner is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 
 from proxy.admin import AdminServer
@@ -58,9 +59,9 @@ def make_source(config: ProxyConfig, stats: Stats) -> Source:
         from proxy.subscriber import RedisSource
 
         return RedisSource(config, stats)
-    from proxy.skyserve import SkyServeSource
+    from proxy.skyserve import make_skyserve_source
 
-    return SkyServeSource(config, stats)
+    return make_skyserve_source(config, stats)
 
 
 class ProxyApp:
@@ -97,7 +98,9 @@ class ProxyApp:
             raise ConfigError("--tls-certfile and --tls-keyfile go together")
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
-            ctx.load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+            # Sky Serve passes paths like ~/.sky/serve/<service>/tls_keyfile.
+            ctx.load_cert_chain(os.path.expanduser(cfg.tls_certfile),
+                                os.path.expanduser(cfg.tls_keyfile))
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"cannot load TLS certificate/key: {exc}") from exc
         return ctx
@@ -125,12 +128,34 @@ class ProxyApp:
         sock = self.server.sockets[0]
         self.port = sock.getsockname()[1]
         if cfg.admin_port is not None:
-            self.admin = AdminServer(self, cfg.admin_host, cfg.admin_port + cfg.worker_index)
-            await self.admin.start()
+            self.admin = await self._start_admin(cfg.admin_port + cfg.worker_index)
         self._ticker = loop.create_task(self._tick_forever())
         log.info("sluice-proxy listening on %s:%d (%s), admin %s, %d replicas",
                  cfg.host, self.port, "https" if server_ssl else "http",
                  self.admin.url if self.admin else "off", len(self.ready_set.replicas))
+
+    async def _start_admin(self, port: int) -> AdminServer | None:
+        cfg = self.config
+        admin = AdminServer(self, cfg.admin_host, port)
+        try:
+            await admin.start()
+            return admin
+        except OSError as exc:
+            await admin.aclose()
+            if not cfg.controller_addr:
+                raise ConfigError(f"cannot listen on admin port {port}: {exc}") from exc
+            # Drop-in mode: Sky Serve runs one load balancer per service on the controller
+            # host, all from the same command line; the second one must still start.
+            log.warning("admin port %d is taken (%s); drop-in mode: trying a free port",
+                        port, exc.strerror or exc)
+        admin = AdminServer(self, cfg.admin_host, 0)
+        try:
+            await admin.start()
+        except OSError as exc:
+            await admin.aclose()
+            log.warning("no admin listener (%s)", exc)
+            return None
+        return admin
 
     async def _tick_forever(self) -> None:
         ctx = self.ctx
@@ -157,7 +182,7 @@ class ProxyApp:
             for conn in list(ctx.connections):
                 conn.close_if_idle()
             if ctx.connections:
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(ctx.drained.wait(), self.config.shutdown_grace)
             for conn in list(ctx.connections):
                 if conn.transport is not None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 
 import click
 
+from proxy import compat
 from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
@@ -94,8 +97,7 @@ def run_proxy(config: ProxyConfig) -> None:
             await app.aclose()
 
     try:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve())
+        compat.run(serve(), loop_factory=uvloop.new_event_loop)
     finally:
         if watchdog is not None:
             watchdog.cancel()
@@ -146,6 +148,7 @@ class _ProxyCommand(click.Command):
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Processes sharing the port (SO_REUSEPORT).")
 @click.option("--worker-index", type=int, default=None, hidden=True)
+@click.option("--sync-relay", default=None, hidden=True)
 @click.option("--policy", "--load-balancing-policy", "policy",
               type=click.Choice(sorted(POLICIES)), default=None,
               help="Load-balancing policy; default: the snapshot's (least_load).")
@@ -213,6 +216,7 @@ def proxy_command(**opts: object) -> None:
         sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
         sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]
         quick_resync=bool(opts["quick_resync"]),
+        sync_relay=opts["sync_relay"],  # type: ignore[arg-type]
         policy=opts["policy"],  # type: ignore[arg-type]
         target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
         pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
@@ -233,8 +237,19 @@ def proxy_command(**opts: object) -> None:
     if workers > 1 and index is None:
         if config.port == 0:
             raise click.UsageError("--workers > 1 needs a fixed --port")
-        args = click.get_current_context().meta[ARGS_KEY]
-        sys.exit(Supervisor(workers, args, shutdown_grace=config.shutdown_grace).run())
+        args = list(click.get_current_context().meta[ARGS_KEY])
+        relay_dir = None
+        if config.controller_addr:
+            # Drop-in mode: worker 0 alone syncs with the controller; the others relay
+            # through a private unix socket (proxy/skyserve.py).
+            relay_dir = tempfile.mkdtemp(prefix="sluice-sync-")
+            args = [*args, "--sync-relay", os.path.join(relay_dir, "relay.sock")]
+        try:
+            code = Supervisor(workers, args, shutdown_grace=config.shutdown_grace).run()
+        finally:
+            if relay_dir is not None:
+                shutil.rmtree(relay_dir, ignore_errors=True)
+        sys.exit(code)
     try:
         run_proxy(config)
     except ConfigError as exc:

@@ -23,6 +23,7 @@ class ProxyConfig:
     sync_interval: float = 5.0
     sync_timeout: float = 5.0
     quick_resync: bool = True  # resync at once when a sync empties a non-empty set
+    sync_relay: str | None = None  # --workers N: unix socket where worker 0 relays the sync
     # Routing.
     policy: str | None = None  # None: the snapshot's policy (least_load by default)
     target_qps: dict[str, float] = field(default_factory=dict)

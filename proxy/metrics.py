@@ -80,6 +80,10 @@ class ProxyCollector:
                                   value=stats.snapshots_rejected)
         yield _histogram("sluice_snapshot_propagation_seconds",
                          "Snapshot published_at to applied by this proxy", stats.propagation)
+        yield CounterMetricFamily("sluice_skyserve_timestamps_dropped",
+                                  "Drop-in mode: request timestamps older than the "
+                                  "autoscaler's 60 s window, dropped unsent",
+                                  value=stats.timestamps_dropped)
         yield GaugeMetricFamily("sluice_source_connected",
                                 "1 when the ready-set source (Redis, controller) is reachable",
                                 value=stats.source_connected)

@@ -94,7 +94,9 @@ class InstanceAwareLeastLoad:
 
     The weight is resolved when the snapshot is applied: the replica's own
     `target_qps` if the controller set it, else the `--target-qps` map looked
-    up by exact accelerator name, then by its base name ("A100:1" -> "A100").
+    up as Sky Serve does (exact accelerator name, then a key whose count is
+    stripped: "A100:1" in the map matches a replica on "A100"), then by the
+    replica's base name ("A100:1" -> "A100"), which Sky does not try.
     """
 
     name = "instance_aware_least_load"
@@ -110,9 +112,12 @@ class InstanceAwareLeastLoad:
             return replica.target_qps
         acc = replica.accelerator
         if acc:
-            qps = self._target_qps.get(acc)
+            table = self._target_qps
+            qps = table.get(acc)
             if qps is None:
-                qps = self._target_qps.get(acc.split(":", 1)[0])
+                qps = next((v for k, v in table.items() if k.split(":", 1)[0] == acc), None)
+            if qps is None:
+                qps = table.get(acc.split(":", 1)[0])
             if qps is not None and qps > 0:
                 return qps
         return 1.0

@@ -114,7 +114,7 @@ class ReplicaPool:
         except asyncio.CancelledError:
             self.total -= 1
             raise
-        except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
+        except (OSError, asyncio.TimeoutError, ssl.SSLError, ValueError) as exc:
             # ValueError: a host the resolver refuses (IDNA). apply() rejects those, but
             # a slot must never leak whatever connecting raises.
             self.total -= 1

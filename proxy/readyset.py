@@ -25,7 +25,7 @@ import re
 import time
 from collections.abc import Callable
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.policies import Policy, make_policy
@@ -98,6 +98,7 @@ class Replica:
         "id",
         "inflight",
         "left_at",
+        "path",
         "pool",
         "port",
         "target_qps",
@@ -117,6 +118,10 @@ class Replica:
         if self.port != default_port:
             netloc = f"{netloc}:{self.port}"
         self.host_header = netloc.encode("ascii")
+        # A path in the URL (Sky Serve's Kubernetes ingress: http://host/skypilot/ns/c/port)
+        # prefixes every request path sent to this replica.
+        path = urlsplit(info.url).path.rstrip("/")
+        self.path = quote(path, safe="/%:@!$&'()*+,;=-._~").encode("ascii")
         self.id = info.id
         self.version = info.version
         self.accelerator = info.accelerator

@@ -478,7 +478,10 @@ class Exchange:
         conn.body_framed = True
         self.state = SENT
         replica: Replica = self.replica  # type: ignore[assignment]
-        parts = [self.head_line, b"Host: ", replica.host_header, http.CRLF, self.head_tail]
+        head_line = self.head_line
+        if replica.path:  # "GET /v1/x HTTP/1.1" -> "GET /prefix/v1/x HTTP/1.1"
+            head_line = head_line.replace(b" ", b" " + replica.path, 1)
+        parts = [head_line, b"Host: ", replica.host_header, http.CRLF, self.head_tail]
         if self.chunked:
             parts.extend(http.chunk(b) for b in self.body if b)
             if self.body_done:

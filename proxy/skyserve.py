@@ -12,22 +12,43 @@ Better than the original: syncs every `--sync-interval` (5 s, not 20); keeps
 the timestamps of a failed sync and resends them; keeps the current set when a
 sync fails; when a sync answers an empty set while the proxy had replicas, it
 resyncs after 0.5 s and 1 s, while the proxy holds requests (its empty-wait)
-instead of answering 503. Timestamps are not taken per request: a sampler
-turns the proxy's request counter into per-100 ms counts, expanded into
-timestamps at sync time (Sky Serve's autoscaler counts them in 60 s windows).
+instead of answering 503.
 
-`run_load_balancer(...)` has the signature the Sky Serve service process calls,
-so pointing it at sluice is a one-line import change.
+Traps handled here:
+- Each sync opens a fresh connection: the controller's uvicorn closes idle
+  keep-alive connections after 5 s, the same as our interval, so a kept
+  connection is often dead when the next sync writes on it.
+- Timestamps are not taken per request: a sampler turns the proxy's request
+  counter into per-100 ms counts (RequestLog). Sky's autoscaler appends each
+  batch to one list that it trims with `bisect`, so every batch must be sorted
+  and later than the one before: a batch ends at a watermark, resends go
+  first, and counts that arrive late (another worker) are stamped at the
+  watermark. The log is bounded by the autoscaler's 60 s window (older counts
+  are dropped and counted), and expanding and encoding a batch runs in a
+  thread, not on the event loop.
+- With `--workers N` one process syncs (worker 0): the other workers hand it
+  their counts and take the ready set from it over a unix socket that the
+  supervisor names (`--sync-relay`), so the controller sees one load balancer.
+
+`run_load_balancer(...)` has the signature the Sky Serve service process calls;
+`sluice_skyserve` (a separate small distribution, contrib/skyserve-shim)
+points Sky Serve at it without editing SkyPilot's files.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import aiohttp
+import msgspec
+from aiohttp import web
 
 from proxy.config import ProxyConfig
 from proxy.errors import SnapshotInvalid
@@ -39,8 +60,29 @@ from proxy.tasks import bounded, stop_tasks
 log = logging.getLogger("sluice.proxy.skyserve")
 
 SYNC_PATH = "/controller/load_balancer_sync"
+RELAY_PATH = "/relay"
 QUICK_RESYNC = (0.5, 1.0)  # after an empty answer while replicas were ready
 SAMPLE_SECONDS = 0.1
+WINDOW_SECONDS = 60.0  # Sky's RequestRateAutoscaler window: older counts are useless to it
+RELAY_INTERVAL = 0.25  # how often a worker hands its counts to worker 0
+RELAY_STALE = 2.0  # a worker silent this long no longer holds the watermark back
+
+Sample = tuple[float, int]  # (end of a 100 ms slot, requests in it)
+
+
+class _RelayRequest(msgspec.Struct, frozen=True):
+    worker: int
+    until: float  # the worker has reported every request up to this time
+    samples: list[tuple[float, int]]
+
+
+class _RelayReply(msgspec.Struct, frozen=True):
+    replicas: dict[str, str | None] | None  # None: worker 0 has not synced yet
+
+
+_RELAY_REQ_DECODER = msgspec.json.Decoder(_RelayRequest)
+_RELAY_REPLY_DECODER = msgspec.json.Decoder(_RelayReply)
+_ENCODER = msgspec.json.Encoder()
 
 
 def parse_sync_reply(body: Any) -> dict[str, str | None]:
@@ -65,109 +107,221 @@ def _normalise(url: str) -> str:
     return url if url.startswith(("http://", "https://")) else f"http://{url}"
 
 
+def encode_sync_body(batch: Sequence[Sample]) -> bytes:
+    """The sync request body: one timestamp per request (a slot's requests at its end)."""
+    stamps: list[float] = []
+    for t, n in batch:
+        stamps.extend([t] * n)
+    return _ENCODER.encode({"request_aggregator": {"timestamps": stamps}})
+
+
+class RequestLog:
+    """Request counts waiting to reach the controller; bounded, and sent in time order.
+
+    `take(until)` returns everything up to the watermark `until`, sorted and
+    never earlier than the previous batch; `give_back(batch)` returns a batch
+    whose sync failed, to be sent first next time. Counts older than `window`
+    seconds are dropped (`dropped` counts the requests).
+    """
+
+    def __init__(self, window: float = WINDOW_SECONDS) -> None:
+        self._window = window
+        self._pending: list[Sample] = []
+        self._unsent: list[Sample] = []
+        self.sent_until = 0.0
+        self.dropped = 0
+
+    def add(self, t: float, n: int) -> None:
+        self._pending.append((t, n))
+
+    def extend(self, samples: Sequence[Sample]) -> None:
+        self._pending.extend(samples)
+
+    @property
+    def buffered(self) -> int:
+        return sum(n for _, n in self._unsent) + sum(n for _, n in self._pending)
+
+    def trim(self, now: float) -> int:
+        """Drop counts older than the window; the number of requests dropped."""
+        horizon = now - self._window
+        self._unsent, old_unsent = _split_at(self._unsent, horizon)
+        self._pending, old_pending = _split_at(self._pending, horizon)
+        dropped = old_unsent + old_pending
+        self.dropped += dropped
+        return dropped
+
+    def take(self, until: float) -> list[Sample]:
+        floor = self.sent_until
+        until = max(until, floor)
+        now_part: list[Sample] = []
+        later: list[Sample] = []
+        for t, n in self._pending:
+            if t > until:
+                later.append((t, n))
+            else:
+                now_part.append((t if t > floor else floor, n))  # late: at the watermark
+        now_part.sort()
+        batch = self._unsent + now_part
+        self._unsent = []
+        self._pending = later
+        self.sent_until = until
+        return batch
+
+    def give_back(self, batch: list[Sample]) -> None:
+        self._unsent = batch + self._unsent
+
+
+def _split_at(samples: list[Sample], horizon: float) -> tuple[list[Sample], int]:
+    """The samples at or after `horizon`, and how many requests the others held."""
+    if not samples or min(t for t, _ in samples) >= horizon:
+        return samples, 0
+    return [s for s in samples if s[0] >= horizon], sum(n for t, n in samples if t < horizon)
+
+
+class _Counter:
+    """Turns the proxy's request counter into per-100 ms samples."""
+
+    def __init__(self, stats: Stats) -> None:
+        self._stats = stats
+        self._counted = stats.requests_total
+
+    def sample(self) -> int:
+        total = self._stats.requests_total
+        delta = total - self._counted
+        self._counted = total
+        return delta
+
+
+def _snapshot(generation: int, ids: dict[str, int], policy: str,
+              replicas: dict[str, str | None]) -> ReadySnapshot:
+    for url in replicas:
+        ids.setdefault(url, len(ids) + 1)
+    return ReadySnapshot(
+        service="skyserve",
+        generation=generation,
+        published_at=time.time(),
+        policy=policy,
+        active_versions=[],
+        replicas=tuple(ReadyReplica(id=ids[u], url=u, accelerator=acc)
+                       for u, acc in sorted(replicas.items())),
+    )
+
+
+class _SetApplier:
+    """Applies a replica map to the ready set when it changed. A map the ready set
+    rejects is logged and counted once (the same map again is skipped)."""
+
+    def __init__(self, policy: str, stats: Stats) -> None:
+        self._policy = policy
+        self._stats = stats
+        self._generation = 0
+        self._ids: dict[str, int] = {}
+        self.current: dict[str, str | None] | None = None
+
+    def apply(self, ready_set: ReadySet, replicas: dict[str, str | None], who: str) -> None:
+        if replicas == self.current:
+            return
+        self.current = replicas
+        self._generation += 1
+        try:
+            ready_set.apply(_snapshot(self._generation, self._ids, self._policy, replicas))
+        except SnapshotInvalid as exc:
+            self._stats.snapshots_rejected += 1
+            log.warning("rejected the ready set from %s (%d replicas): %s; keeping %d "
+                        "replicas", who, len(replicas), exc, len(ready_set.replicas))
+            return
+        log.info("ready set from %s: %d replicas", who, len(replicas))
+
+
 class SkyServeSource:
+    """Syncs with the Sky Serve controller (the only process that does, per load balancer)."""
+
     def __init__(self, config: ProxyConfig, stats: Stats) -> None:
         assert config.controller_addr is not None
         self._url = config.controller_addr.rstrip("/") + SYNC_PATH
         self._interval = config.sync_interval
         self._timeout = config.sync_timeout
         self._quick_resync = QUICK_RESYNC if config.quick_resync else ()
-        self._policy = config.policy or "least_load"
+        self._relay_path = config.sync_relay if config.workers > 1 else None
         self._stats = stats
         self._session: aiohttp.ClientSession | None = None
+        self._relay: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ready_set: ReadySet | None = None
-        self._generation = 0
-        self._ids: dict[str, int] = {}
-        self._current: dict[str, str | None] | None = None
-        self._samples: list[tuple[float, int]] = []  # (time, requests in that 100 ms)
-        self._counted = 0
-        self._unsent: list[float] = []
+        self._applier = _SetApplier(config.policy or "least_load", stats)
+        self._counter = _Counter(stats)
+        self.requests = RequestLog()
+        self._workers: dict[int, tuple[float, float]] = {}  # index -> (until, heard at)
         self._closing = False  # set by aclose(); the loops check it (see proxy/tasks.py)
 
     async def start(self, ready_set: ReadySet) -> None:
         self._ready_set = ready_set
-        self._counted = self._stats.requests_total
+        self._counter = _Counter(self._stats)
+        # A fresh connection per sync (force_close): see "Traps" above.
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True),
             timeout=aiohttp.ClientTimeout(total=self._timeout))
+        if self._relay_path is not None:
+            await self._start_relay(self._relay_path)
         loop = asyncio.get_running_loop()
         await self.sync_once()  # serve the controller's set from the first request
         self._tasks = [loop.create_task(self._sync_forever()),
                        loop.create_task(self._sample_forever())]
 
     async def aclose(self) -> None:
-        """Stop the loops and close the client session, each step bounded (1.5 s in all),
-        also with a controller that accepts and never answers."""
+        """Stop the loops, the relay and the client session, each step bounded (2 s in
+        all), also with a controller that accepts and never answers."""
         self._closing = True
         await stop_tasks(self._tasks, 1.0)
         self._tasks = []
+        if self._relay is not None:
+            await bounded(self._relay.cleanup(), 0.5, "closing the sync relay")
         if self._session is not None:
             await bounded(self._session.close(), 0.5, "closing the Sky Serve sync session")
 
     def sample(self, now: float) -> None:
-        total = self._stats.requests_total
-        delta = total - self._counted
-        if delta:
-            self._counted = total
-            self._samples.append((now, delta))
+        n = self._counter.sample()
+        if n:
+            self.requests.add(now, n)
 
-    def take_timestamps(self) -> list[float]:
-        stamps = self._unsent
-        for t, n in self._samples:
-            step = SAMPLE_SECONDS / n
-            stamps.extend(t - SAMPLE_SECONDS + step * (i + 1) for i in range(n))
-        self._samples = []
-        self._unsent = []
-        return stamps
+    def _watermark(self, now: float) -> float:
+        """Up to when every worker has reported its counts (a silent worker is skipped)."""
+        until = now
+        for reported, heard in self._workers.values():
+            if now - heard < RELAY_STALE:
+                until = min(until, reported)
+        return until
 
     async def sync_once(self) -> bool:
-        """One sync; True on success. On failure the timestamps are kept for the next one."""
+        """One sync; True on success. On failure the counts are kept for the next one."""
         assert self._session is not None and self._ready_set is not None
-        self.sample(time.time())
-        stamps = self.take_timestamps()
-        payload = {"request_aggregator": {"timestamps": stamps}}
+        now = time.time()
+        self.sample(now)
+        dropped = self.requests.trim(now)
+        if dropped:
+            self._stats.timestamps_dropped += dropped
+            log.warning("dropped %d request timestamps older than %.0f s (controller "
+                        "unreachable); %d dropped in all", dropped, WINDOW_SECONDS,
+                        self.requests.dropped)
+        batch = self.requests.take(self._watermark(now))
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(None, encode_sync_body, batch)
         try:
-            async with self._session.post(self._url, json=payload) as resp:
+            async with self._session.post(
+                    self._url, data=body,
+                    headers={"Content-Type": "application/json"}) as resp:
                 resp.raise_for_status()
                 replicas = parse_sync_reply(await resp.json(content_type=None))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            self._unsent = stamps + self._unsent
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.requests.give_back(batch)
             self._stats.source_connected = 0
             log.warning("sync with the Sky Serve controller failed (%s: %s); "
                         "keeping %d replicas", type(exc).__name__, exc,
                         len(self._ready_set.replicas))
             return False
         self._stats.source_connected = 1
-        self._apply(replicas)
+        self._applier.apply(self._ready_set, replicas, "the Sky Serve controller")
         return True
-
-    def _apply(self, replicas: dict[str, str | None]) -> None:
-        assert self._ready_set is not None
-        if replicas == self._current:
-            return
-        self._current = replicas
-        self._generation += 1
-        for url in replicas:
-            self._ids.setdefault(url, len(self._ids) + 1)
-        snapshot = ReadySnapshot(
-            service="skyserve",
-            generation=self._generation,
-            published_at=time.time(),
-            policy=self._policy,
-            active_versions=[],
-            replicas=tuple(ReadyReplica(id=self._ids[u], url=u, accelerator=acc)
-                           for u, acc in sorted(replicas.items())),
-        )
-        try:
-            self._ready_set.apply(snapshot)
-        except SnapshotInvalid as exc:
-            # Logged and counted once: the same answer again is skipped above.
-            self._stats.snapshots_rejected += 1
-            log.warning("rejected the Sky Serve controller's ready set (%d replicas): %s; "
-                        "keeping %d replicas", len(replicas), exc,
-                        len(self._ready_set.replicas))
-            return
-        log.info("ready set from the Sky Serve controller: %d replicas", len(replicas))
 
     async def _sync_forever(self) -> None:
         assert self._ready_set is not None
@@ -193,10 +347,160 @@ class SkyServeSource:
             await asyncio.sleep(SAMPLE_SECONDS)
             self.sample(time.time())
 
+    # -- the relay: the other workers' counts in, the ready set out ------------------------
+
+    async def _start_relay(self, path: str) -> None:
+        app = web.Application()
+        app.router.add_post(RELAY_PATH, self._on_relay)
+        self._relay = web.AppRunner(app, access_log=None)
+        await self._relay.setup()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by a worker 0 that died
+        await web.UnixSite(self._relay, path).start()
+
+    async def _on_relay(self, request: web.Request) -> web.Response:
+        try:
+            msg = _RELAY_REQ_DECODER.decode(await request.read())
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return web.Response(status=400, text=str(exc))
+        self.requests.extend(msg.samples)
+        self._workers[msg.worker] = (msg.until, time.time())
+        return web.Response(body=_ENCODER.encode(_RelayReply(self._applier.current)),
+                            content_type="application/json")
+
+
+class RelayFollower:
+    """Workers 1..N-1 in drop-in mode: counts to worker 0, the ready set from it."""
+
+    def __init__(self, config: ProxyConfig, stats: Stats) -> None:
+        assert config.sync_relay is not None
+        self._path = config.sync_relay
+        self._index = config.worker_index
+        self._stats = stats
+        self._counter = _Counter(stats)
+        self._samples: list[Sample] = []
+        self._applier = _SetApplier(config.policy or "least_load", stats)
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._ready_set: ReadySet | None = None
+        self._closing = False
+
+    async def start(self, ready_set: ReadySet) -> None:
+        self._ready_set = ready_set
+        self._counter = _Counter(self._stats)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=self._path),
+            timeout=aiohttp.ClientTimeout(total=2.0))
+        await self.relay_once()
+        self._task = asyncio.get_running_loop().create_task(self._forever())
+
+    async def aclose(self) -> None:
+        self._closing = True
+        await stop_tasks((self._task,), 1.0)
+        self._task = None
+        if self._session is not None:
+            await bounded(self.relay_once(), 0.5, "relaying the last counts")
+            await bounded(self._session.close(), 0.5, "closing the relay session")
+
+    async def relay_once(self) -> bool:
+        assert self._session is not None and self._ready_set is not None
+        now = time.time()
+        n = self._counter.sample()
+        if n:
+            self._samples.append((now, n))
+        horizon = now - WINDOW_SECONDS
+        if self._samples and self._samples[0][0] < horizon:
+            self._samples = [s for s in self._samples if s[0] >= horizon]
+        samples, self._samples = self._samples, []
+        body = _ENCODER.encode(_RelayRequest(self._index, now, samples))
+        try:
+            async with self._session.post("http://relay" + RELAY_PATH, data=body) as resp:
+                resp.raise_for_status()
+                reply = _RELAY_REPLY_DECODER.decode(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError,
+                msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self._samples = samples + self._samples
+            self._stats.source_connected = 0
+            log.debug("worker %d: relay to worker 0 failed: %s", self._index, exc)
+            return False
+        self._stats.source_connected = 1
+        if reply.replicas is not None:
+            self._applier.apply(self._ready_set, reply.replicas, "worker 0")
+        return True
+
+    async def _forever(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(RELAY_INTERVAL)
+            try:
+                await self.relay_once()
+            except Exception:
+                if self._closing:
+                    return
+                log.exception("relay loop error")
+
+
+def make_skyserve_source(config: ProxyConfig, stats: Stats) -> SkyServeSource | RelayFollower:
+    """Worker 0 (or the only worker) syncs with the controller; the others follow it."""
+    if config.workers > 1 and config.worker_index > 0 and config.sync_relay:
+        return RelayFollower(config, stats)
+    return SkyServeSource(config, stats)
+
+
+# -- Sky Serve's entry point -----------------------------------------------------------------
+
 
 class TlsCredential(Protocol):
     keyfile: str
     certfile: str
+
+
+def dropin_config(
+    controller_addr: str,
+    load_balancer_port: int,
+    load_balancing_policy_name: str | None = None,
+    tls_credential: TlsCredential | None = None,
+    target_qps_per_replica: float | dict[str, float] | None = None,
+    stream_timeout_seconds: int | None = 120,
+) -> ProxyConfig:
+    """The proxy config for `run_load_balancer`'s arguments (Sky Serve's meaning of each)."""
+    target_qps: dict[str, float] = {}
+    if isinstance(target_qps_per_replica, dict):
+        target_qps = {str(k): float(v) for k, v in target_qps_per_replica.items()}
+    stream_timeout = float(stream_timeout_seconds or 120)
+    defaults = ProxyConfig()
+    return ProxyConfig(
+        port=load_balancer_port,
+        controller_addr=controller_addr,
+        policy=load_balancing_policy_name,
+        target_qps=target_qps,
+        stream_idle_timeout=stream_timeout,
+        # Sky waits up to stream_timeout_seconds for a replica's answer (httpx read
+        # timeout): a slow non-streaming answer must not get our 504 sooner.
+        retry_deadline=max(defaults.retry_deadline, stream_timeout),
+        tls_certfile=tls_credential.certfile if tls_credential else None,
+        tls_keyfile=tls_credential.keyfile if tls_credential else None,
+        # No admin listener: Sky Serve starts one load balancer per service on the
+        # controller host, and none of them owns a well-known port there.
+        admin_port=None,
+    )
+
+
+def _log_to_stdout() -> None:
+    """Send sluice's records to sys.stdout as Sky's own load balancer does.
+
+    Sky Serve's service process runs the load balancer with sys.stdout redirected
+    to ~/.sky/serve/<service>/load_balancer.log (`sky serve logs --load-balancer`).
+    """
+    logger = logging.getLogger("sluice")
+    if any(getattr(h, "_sluice_skyserve", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler._sluice_skyserve = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter(
+        "%(levelname).1s %(asctime)s %(name)s[%(process)d]: %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def run_load_balancer(
@@ -210,17 +514,7 @@ def run_load_balancer(
     """Sky Serve's load-balancer entry point, served by sluice-proxy (blocks until SIGTERM)."""
     from proxy.cli import run_proxy
 
-    target_qps: dict[str, float] = {}
-    if isinstance(target_qps_per_replica, dict):
-        target_qps = {str(k): float(v) for k, v in target_qps_per_replica.items()}
-    config = ProxyConfig(
-        port=load_balancer_port,
-        controller_addr=controller_addr,
-        policy=load_balancing_policy_name,
-        target_qps=target_qps,
-        stream_idle_timeout=float(stream_timeout_seconds or 120),
-        tls_certfile=tls_credential.certfile if tls_credential else None,
-        tls_keyfile=tls_credential.keyfile if tls_credential else None,
-        admin_port=None,
-    )
+    _log_to_stdout()
+    config = dropin_config(controller_addr, load_balancer_port, load_balancing_policy_name,
+                           tls_credential, target_qps_per_replica, stream_timeout_seconds)
     run_proxy(config)

@@ -38,6 +38,8 @@ class Stats:
         self.snapshots_rejected = 0
         self.propagation = Histogram()  # published_at -> applied (seconds)
         self.source_connected = 0  # 1 when the source is reachable
+        # Drop-in mode: request timestamps dropped unsent (older than the autoscaler's window).
+        self.timestamps_dropped = 0
 
     def count_response(self, status: int) -> None:
         responses = self.responses

@@ -51,6 +51,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from proxy.compat import timeout
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
@@ -188,8 +189,8 @@ class RedisSource:
         self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
         self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
         ready_set.on_hold = self._demand.set
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._start_timeout):
+        with contextlib.suppress(asyncio.TimeoutError):
+            async with timeout(self._start_timeout):
                 await self._synced.wait()
 
     async def aclose(self) -> None:
@@ -247,7 +248,7 @@ class RedisSource:
             await pubsub.subscribe(self._channel)
             # The GET must come after the server registered the subscription, or a
             # commit between the two would be missed until the next resync.
-            async with asyncio.timeout(self._connect_timeout):
+            async with timeout(self._connect_timeout):
                 while True:
                     message = await pubsub.get_message(timeout=self._connect_timeout)
                     if message is not None and message["type"] == "subscribe":

@@ -7,6 +7,7 @@ told to fail or to delay its answers.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +22,17 @@ class StubController:
     delay: float = 0.0
     timestamps: list[float] = field(default_factory=list)
     syncs: int = 0
+    peers: list[tuple[str, int]] = field(default_factory=list)  # client address per sync
+    sync_times: list[float] = field(default_factory=list)  # monotonic, per sync received
     synced: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
     url: str = ""
 
     async def _sync(self, request: web.Request) -> web.Response:
         body: Any = await request.json()
+        transport = request.transport
+        self.peers.append(transport.get_extra_info("peername")[:2] if transport else ("", 0))
+        self.sync_times.append(time.monotonic())
         if self.delay:
             await asyncio.sleep(self.delay)
         self.syncs += 1
