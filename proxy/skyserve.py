@@ -227,8 +227,8 @@ class _SetApplier:
             ready_set.apply(_snapshot(self._generation, self._ids, self._policy, replicas))
         except SnapshotInvalid as exc:
             self._stats.snapshots_rejected += 1
-            log.warning("rejected the ready set from %s (%d replicas): %s; keeping %d "
-                        "replicas", who, len(replicas), exc, len(ready_set.replicas))
+            log.warning("rejected %s's ready set (%d replicas): %s; keeping %d replicas",
+                        who, len(replicas), exc, len(ready_set.replicas))
             return
         log.info("ready set from %s: %d replicas", who, len(replicas))
 
