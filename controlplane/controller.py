@@ -86,7 +86,14 @@ from controlplane.rollout import (
 )
 from controlplane.scaling import Scaling
 from controlplane.spec import ReadinessProbe, ServiceSpec, is_count_only_change
-from controlplane.store import Mutation, ServiceNotFound, Store, StoreError, StoreUnavailable
+from controlplane.store import (
+    LeaseLost,
+    Mutation,
+    ServiceNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("sluice.controller")
 
@@ -100,7 +107,8 @@ class ControllerConfig:
     `state_dir` holds replica logs and handle files (`{state_dir}/{service}/`).
     `drain_seconds`: how long a retired replica keeps running after it left the
     ready set. `lease_ttl`: the leader lease's TTL (renewed every third of it).
-    `holder`: this controller's name in the lease (default host:pid:random).
+    `holder`: this controller's name in the lease (default host:pid); a random
+    token is appended per process, so the lease value is unique.
     `reconcile_interval`: the longest a controller goes without a step.
     `term_timeout`: SIGTERM to SIGKILL for local replicas. `replica_env`: the
     environment local replicas inherit (None: the controller's own).
@@ -351,8 +359,8 @@ class Controller:
                 try:
                     await self.step()
                     failures = 0
-                except asyncio.CancelledError:
-                    raise
+                except (asyncio.CancelledError, LeaseLost):
+                    raise  # LeaseLost: a successor leads; run_controller steps down
                 except StoreUnavailable as exc:
                     failures += 1
                     log.warning("reconcile step failed: %s", exc)
@@ -369,7 +377,11 @@ class Controller:
                 await listener
 
     async def terminate_all(self) -> None:
-        """Terminate every replica this controller can reach (no drain); delete the records."""
+        """Terminate every replica this controller can reach (no drain); delete the records.
+
+        A fenced controller that no longer holds the lease terminates nothing but its
+        own launches in flight: the fleet is the successor's.
+        """
         launches = list(self._launches.values())
         self._launches.clear()
         for launch in launches:
@@ -381,6 +393,10 @@ class Controller:
             if not launch.task.cancelled() and launch.task.exception() is None:
                 with contextlib.suppress(Exception):
                     await launch.backend.terminate(launch.task.result().handle)
+        fence = self._store.fence
+        if fence is not None and await self._store.lease_holder() != fence:
+            log.warning("controller %s: not the leader any more; leaving the replicas", fence)
+            return
         for name in await self._store.services():
             state = await self._store.read_state(name)
             if state is None:
@@ -404,7 +420,7 @@ class Controller:
             for name in names:
                 try:
                     await self._reconcile(name)
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, LeaseLost):
                     raise
                 except Exception as exc:
                     log.warning("service %s: reconcile failed: %s", name, exc)
@@ -862,6 +878,14 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def unique_holder(name: str | None) -> str:
+    """The lease holder id of this process: `name` (default host:pid) plus a random
+    token, so that two controllers given the same `--holder` never both lead."""
+    if name is None:
+        return default_holder()
+    return f"{name}:{uuid.uuid4().hex[:8]}"
+
+
 async def run_controller(
     config: ControllerConfig,
     *,
@@ -872,13 +896,14 @@ async def run_controller(
 
     Stands by (polling the lease every third of its TTL) until it acquires it;
     then starts a Controller, sets `started`, and renews the lease every third
-    of its TTL. If renewal fails, or Redis stays unreachable for most of a TTL,
-    it stops the controller (replicas keep running) and stands by again. On
+    of its TTL. If renewal fails, a commit finds the lease gone (LeaseLost: the
+    store is fenced by this holder), or Redis stays unreachable for most of a
+    TTL, it stops the controller (replicas keep running) and stands by again. On
     cancellation it closes the controller and releases the lease, so a standby
-    takes over at once.
+    takes over at once. The holder id is `config.holder` plus a random token.
     """
-    holder = config.holder or default_holder()
-    store = Store.from_url(config.redis_url, prefix=config.prefix)
+    holder = unique_holder(config.holder)
+    store = Store.from_url(config.redis_url, prefix=config.prefix, fence=holder)
     try:
         while True:
             await _acquire(store, holder, config.lease_ttl)
@@ -924,8 +949,10 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
         while True:
             done, _ = await asyncio.wait({runner}, timeout=ttl / 3)
             if done:
-                runner.result()  # run() only ends by raising
-                return
+                with contextlib.suppress(LeaseLost):
+                    runner.result()  # run() only ends by raising
+                log.warning("controller %s: %s", holder, runner.exception())
+                return  # a commit was refused: the lease is someone else's
             try:
                 async with asyncio.timeout(ttl / 3):
                     renewed = await store.renew_lease(holder, ttl)
@@ -945,5 +972,6 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
         # task must propagate, or SIGTERM would turn into "lost the lease" and the
         # controller would lead again.
         await asyncio.wait({runner})
-        if not runner.cancelled() and runner.exception() is not None:
+        failure = None if runner.cancelled() else runner.exception()
+        if failure is not None and not isinstance(failure, LeaseLost):
             log.error("controller %s: run() failed", holder, exc_info=runner.exception())
