@@ -926,10 +926,15 @@ async def run_controller(
 
 
 async def _acquire(store: Store, holder: str, ttl: float) -> None:
+    said = False
     while True:
         try:
             if await store.acquire_lease(holder, ttl):
                 return
+            if not said:
+                log.info("controller %s: standing by (the lease is %s's)", holder,
+                         await store.lease_holder())  # fmt: skip
+                said = True
         except StoreError as exc:
             log.warning("controller %s: lease: %s", holder, exc)
         await asyncio.sleep(ttl / 3)
