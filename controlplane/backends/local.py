@@ -15,7 +15,9 @@ between spawning and recording the replica leaves it recoverable. Processes are
 spawned with posix_spawn and reaped by pid: a replica outlives the controller
 that started it, and the next controller adopts it by pid.
 
-Terminate: SIGTERM to the group; SIGKILL to the group after `term_timeout`.
+Terminate: SIGTERM to the group; SIGKILL to the group after `term_timeout`. Only
+while the group can be the replica's (`processes.owns_group`): a pid that now
+belongs to another process (its start time differs) is never signalled.
 """
 
 from __future__ import annotations
@@ -147,12 +149,20 @@ class LocalBackend:
     async def terminate(self, handle: Handle) -> None:
         """SIGTERM the process group, SIGKILL it after `term_timeout`; remove the handle file."""
         pid = _pid(handle)
+        if pid is not None:
+            self._reap(pid)  # our own exited child: its pid is free, not a stranger's
+        if pid is not None and not processes.owns_group(pid, handle.get("start_time")):
+            # The pid belongs to another process now (or cannot be verified): its group
+            # is a stranger's. Never signal it.
+            log.warning("replica process %d is not the one recorded (start time differs); "
+                        "not signalling it", pid)  # fmt: skip
+            pid = None
         if pid is not None and self.exited(handle) is None:
             processes.signal_group(pid, signal.SIGTERM)
             deadline = time.monotonic() + self._term_timeout
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
-        if pid is not None:
+        if pid is not None and processes.owns_group(pid, handle.get("start_time")):
             # Stragglers the leader left behind, or a leader that ignored SIGTERM.
             processes.signal_group(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
