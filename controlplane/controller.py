@@ -796,6 +796,7 @@ class Controller:
     def _forget_gone(self, names: set[str]) -> None:
         for name in self._known - names:
             self._forget(name)
+        self._scaling.keep_only(names)
         for key, launch in list(self._launches.items()):
             if key[0] in names or not launch.task.done():
                 continue

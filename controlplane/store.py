@@ -745,17 +745,36 @@ class Store:
         return events
 
     async def read_rps(self, name: str) -> dict[int, int]:
-        """Request counts per unix second, as flushed by the proxies (all proxies summed)."""
+        """Request counts per unix second, as flushed by the proxies (all proxies summed).
+
+        A field that is not an integer second with an integer count (written by hand,
+        or by something that is not a sluice proxy) is skipped and logged.
+        """
         with self._errors():
             raw = await self._redis.hgetall(self.keys.rps(name))
-        return dict(sorted((int(second), int(count)) for second, count in raw.items()))
+        counts = {}
+        for second, count in raw.items():
+            parsed = _int(second), _int(count)
+            if parsed[0] is None or parsed[1] is None:
+                log.warning("service %s: ignoring a malformed rps field %r=%r", name,
+                            second, count)  # fmt: skip
+                continue
+            counts[parsed[0]] = parsed[1]
+        return dict(sorted(counts.items()))
 
     async def trim_rps(self, name: str, before: int) -> int:
-        """Delete request counts of seconds earlier than `before`; returns how many."""
+        """Delete request counts of seconds earlier than `before`, and fields that are not
+        an integer second (logged); returns how many were deleted."""
         key = self.keys.rps(name)
         with self._errors():
             seconds = await self._redis.hkeys(key)
-            old = [s for s in seconds if int(s) < before]
+            old = []
+            for raw in seconds:
+                second = _int(raw)
+                if second is None:
+                    log.warning("service %s: deleting a malformed rps field %r", name, raw)
+                if second is None or second < before:
+                    old.append(raw)
             if not old:
                 return 0
             deleted: int = await self._redis.hdel(key, *old)
@@ -921,6 +940,14 @@ class ControlSubscription:
         """Unsubscribe and release the connection."""
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()
+
+
+def _int(raw: bytes | str) -> int | None:
+    """An integer field or value of a hash, or None when it is not one."""
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _ms(seconds: float) -> int:
