@@ -70,6 +70,7 @@ from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
+    Handle,
     ReplicaRecord,
     ReplicaStatus,
     ServiceRecord,
@@ -89,7 +90,6 @@ from controlplane.spec import ReadinessProbe, ServiceSpec, is_count_only_change
 from controlplane.store import (
     LeaseLost,
     Mutation,
-    ServiceNotFound,
     Store,
     StoreError,
     StoreUnavailable,
@@ -281,6 +281,9 @@ class Controller:
         # Probe results not yet committed (kept across a replan).
         self._probe_results: dict[str, dict[int, ProbeResult]] = {}
         self._known: set[str] = set()
+        # service -> replica id -> (backend, handle) as of the last step: what
+        # terminate_all stops when Redis is gone (sluice run's dies with it).
+        self._fleet: dict[str, dict[int, tuple[ReplicaBackend, Handle]]] = {}
         self._deadline: float | None = None
         self._started = False
 
@@ -393,21 +396,36 @@ class Controller:
             if not launch.task.cancelled() and launch.task.exception() is None:
                 with contextlib.suppress(Exception):
                     await launch.backend.terminate(launch.task.result().handle)
-        fence = self._store.fence
-        if fence is not None and await self._store.lease_holder() != fence:
-            log.warning("controller %s: not the leader any more; leaving the replicas", fence)
-            return
-        for name in await self._store.services():
-            state = await self._store.read_state(name)
-            if state is None:
-                continue
-            victims = [r for r in state.replicas.values() if r.handle]
-            await asyncio.gather(
-                *(self._backend(r).terminate(r.handle) for r in victims),
-                return_exceptions=True,
-            )
-            with contextlib.suppress(ServiceNotFound):
-                await self._store.commit(name, replica_deletes=[r.id for r in victims])
+        victims = {
+            (name, replica_id): known
+            for name, replicas in self._fleet.items()
+            for replica_id, known in replicas.items()
+        }
+        records: dict[str, list[ReplicaRecord]] = {}
+        try:
+            fence = self._store.fence
+            if fence is not None and await self._store.lease_holder() != fence:
+                log.warning("controller %s: not the leader any more; leaving the replicas", fence)
+                return
+            for name in await self._store.services():
+                state = await self._store.read_state(name)
+                if state is not None:
+                    records[name] = [r for r in state.replicas.values() if r.handle]
+                    for r in records[name]:
+                        victims[(name, r.id)] = (self._backend(r), r.handle)
+        except StoreError as exc:
+            # `sluice run`'s private Redis may already be gone (both got SIGTERM when
+            # `sluice run` died): stop what the last step saw.
+            log.warning("terminating the %d replicas this controller knows of: %s",
+                        len(victims), exc)  # fmt: skip
+        await asyncio.gather(
+            *(backend.terminate(handle) for backend, handle in victims.values()),
+            return_exceptions=True,
+        )
+        self._fleet.clear()
+        for name, replicas in records.items():
+            with contextlib.suppress(StoreError):
+                await self._store.commit(name, replica_deletes=[r.id for r in replicas])
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -441,6 +459,10 @@ class Controller:
             except _Stale:
                 continue  # an ops command wrote meanwhile: plan again on fresh data
             await self._after_commit(plan, launched)
+            if not plan.unregister:
+                self._fleet[name] = {
+                    r.id: (self._backend(r), r.handle) for r in plan.table.values() if r.handle
+                }
             return
         log.warning("service %s: state kept changing; will retry next step", name)
 
@@ -809,6 +831,7 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self._known.discard(name)
+        self._fleet.pop(name, None)
         self._scaling.forget(name)
         self._probe_results.pop(name, None)
         self._prober.forget_service(name)

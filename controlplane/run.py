@@ -44,6 +44,7 @@ from typing import IO, TextIO
 import msgspec
 
 from controlplane import ops, processes
+from controlplane.backends.local import recorded_handles
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, ServiceStatus
 from controlplane.redisserver import EmbeddedRedis
@@ -297,6 +298,8 @@ class ServiceRun:
                 self._view.message(f"sluice: could not take {config.name} down cleanly: {exc}")
         for role in ("proxy", "controller"):
             await self._stop_child(role)
+        with contextlib.suppress(StoreError):  # what a controller that died left recorded
+            self._remember_handles(await store.replicas(config.name))
         if self._kill_replicas():
             self._view.message("sluice: killed replicas the controller left running")
         self._stop_redis()
@@ -352,8 +355,14 @@ class ServiceRun:
 
     def _kill_replicas(self) -> bool:
         """SIGTERM, then SIGKILL, the process group of every local replica still running
-        (the handle's pid and start time must match). True if there was any."""
-        alive = [h for h in self._handles.values() if _replica_running(h)]
+        (the handle's pid and start time must match). True if there was any.
+
+        Besides the handles seen in Redis, the local backend's handle files: a replica
+        spawned by a controller that died before recording it (or before this run saw
+        the record) is found there."""
+        handles = [*self._handles.values(), *recorded_handles(self._config.state_dir,
+                                                              self._config.name)]  # fmt: skip
+        alive = [h for h in handles if _replica_running(h)]
         for handle in alive:
             _signal_group(handle, signal.SIGTERM)
         deadline = time.monotonic() + self._config.stop_timeout

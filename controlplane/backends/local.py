@@ -260,6 +260,18 @@ class LocalBackend:
                                f"(see {log_path})")  # fmt: skip
 
 
+def recorded_handles(state_dir: Path, service: str) -> list[Handle]:
+    """The handles of `service`'s replicas that have a handle file (spawned and not yet
+    terminated by a controller), for `sluice run`'s last-resort cleanup."""
+    handles: list[Handle] = []
+    for path in sorted((state_dir / service).glob("replica-*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            handle = json.loads(path.read_text())
+            if isinstance(handle, dict):
+                handles.append(handle)
+    return handles
+
+
 def _pid(handle: Handle) -> int | None:
     pid = handle.get("pid")
     return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
