@@ -15,8 +15,8 @@ change otherwise) until SIGINT, SIGTERM or SIGHUP. Shutdown, in order: `ops.down
 wait (at most `down_timeout`) for the controller to terminate the replicas and
 unregister the service; stop the proxy, then the controller (SIGTERM, SIGKILL
 after `stop_timeout`); kill any replica process group still alive (a controller
-that missed the deadline; identified by pid and start time from its handle);
-stop redis. A second signal skips the waiting. Nothing is left running.
+that missed the deadline, or died; handles from Redis and from the local
+backend's handle files, identified by pid and start time); stop redis. A second signal skips the waiting. Nothing is left running.
 
 Children run in their own sessions, so a Ctrl-C on the terminal reaches only
 this process, which then stops them in the order above; each also gets SIGTERM
