@@ -16,7 +16,8 @@ wait (at most `down_timeout`) for the controller to terminate the replicas and
 unregister the service; stop the proxy, then the controller (SIGTERM, SIGKILL
 after `stop_timeout`); kill any replica process group still alive (a controller
 that missed the deadline, or died; handles from Redis and from the local
-backend's handle files, identified by pid and start time); stop redis. A second signal skips the waiting. Nothing is left running.
+backend's handle files, identified by pid and start time); stop redis. A
+second signal skips the waiting. Nothing is left running.
 
 Children run in their own sessions, so a Ctrl-C on the terminal reaches only
 this process, which then stops them in the order above; each also gets SIGTERM
@@ -462,7 +463,12 @@ def _replica_running(handle: Handle) -> bool:
 
 def _signal_group(handle: Handle, sig: int) -> None:
     pid = handle.get("pid")
-    if isinstance(pid, int) and pid > 0 and _replica_running(handle):
+    if (
+        isinstance(pid, int)
+        and pid > 0
+        and _replica_running(handle)
+        and processes.owns_group(pid, handle.get("start_time"))  # never a stranger's group
+    ):
         processes.signal_group(pid, sig)  # the local backend's replica: pid == its group
 
 

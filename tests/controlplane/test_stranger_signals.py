@@ -5,6 +5,7 @@ signalled, neither the pid nor its process group."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +14,13 @@ from pathlib import Path
 from controlplane import processes
 from controlplane.backends.local import LocalBackend
 from controlplane.models import Handle
+from controlplane.run import RunConfig, ServiceRun
+from controlplane.spec import load_spec
 from tests.controlplane.test_controller import alive
 from tests.fixtures_redis import eventually
+from tests.fixtures_replicas import REPO
+
+ECHO = REPO / "examples" / "echo.yaml"
 
 
 async def test_terminate_leaves_a_stranger_with_another_start_time_alive(
@@ -67,3 +73,29 @@ async def test_terminate_still_kills_the_recorded_group(tmp_path: Path) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+async def test_sluice_run_cleanup_leaves_a_stranger_alive(tmp_path: Path) -> None:
+    # A handle file left by an earlier run whose pid now belongs to a stranger; one with
+    # the wrong start time, one with none (cannot be verified).
+    stranger = subprocess.Popen(["setsid", "sleep", "300"])
+    try:
+        await eventually(lambda: os.getpgid(stranger.pid) == stranger.pid, what="setsid")
+        started = processes.start_time(stranger.pid)
+        assert started is not None
+        service_dir = tmp_path / "svc"
+        service_dir.mkdir()
+        (service_dir / "replica-1.json").write_text(
+            json.dumps({"pid": stranger.pid, "start_time": started + 1})
+        )
+        (service_dir / "replica-2.json").write_text(json.dumps({"pid": stranger.pid}))
+        run = ServiceRun(
+            RunConfig(spec=load_spec(ECHO), name="svc", state_dir=tmp_path, stop_timeout=0.2)
+        )
+        run._kill_replicas()
+        assert stranger.poll() is None
+        assert alive(stranger.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stranger.pid, signal.SIGKILL)
+        stranger.wait(10)
