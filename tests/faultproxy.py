@@ -38,6 +38,7 @@ class FaultProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._lock = threading.Lock()
         self._armed = 0
+        self._containing = b""
         self.cut = 0  # connections cut after an EXEC
         self.port = 0
 
@@ -45,10 +46,12 @@ class FaultProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def cut_after_exec(self, count: int = 1) -> None:
-        """Cut the connection right after forwarding each of the next `count` EXECs."""
+    def cut_after_exec(self, count: int = 1, *, containing: bytes = b"") -> None:
+        """Cut the connection right after forwarding each of the next `count` EXECs
+        (only those sent in one write with `containing`, when given)."""
         with self._lock:
             self._armed = count
+            self._containing = containing
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()
@@ -79,7 +82,7 @@ class FaultProxy:
         await self._server.wait_closed()
 
     def _take_exec(self, chunk: bytes) -> bool:
-        if _EXEC not in chunk:
+        if _EXEC not in chunk or self._containing not in chunk:
             return False
         with self._lock:
             if self._armed <= 0:

@@ -5,6 +5,8 @@ applied instead of applying it again."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +16,11 @@ from click.testing import CliRunner
 
 from controlplane import ops
 from controlplane.cli import cli
+from controlplane.controller import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import ServiceSpec, load_spec
 from controlplane.store import Store
+from tests.controlplane.test_controller import make_spec, ready_view
 from tests.faultproxy import FaultProxy
 from tests.fixtures_replicas import REPO
 
@@ -89,3 +93,30 @@ def test_cli_update_and_up_through_a_connection_cut_after_exec(
     result = runner.invoke(cli, ["status", "echo", "--json", *direct])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)[0]["version"] == 2
+
+
+async def test_a_controller_commit_cut_after_exec_launches_once(
+    fault_proxy: FaultProxy, store: Store, redis_prefix: str, redis_url: str, tmp_path: Path
+) -> None:
+    config = ControllerConfig(
+        redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
+        drain_seconds=0.0, reconcile_interval=30.0, term_timeout=3.0, terminate_on_close=True,
+    )  # fmt: skip
+    async with Store.from_url(fault_proxy.url, prefix=redis_prefix) as flaky:
+        controller = Controller(flaky, config)
+        # The commit that records the new replica (PROVISIONING) loses its reply.
+        fault_proxy.cut_after_exec(1, containing=b"PROVISIONING")
+        await ops.up(store, "svc", make_spec(1))
+        await controller.start()
+        runner = asyncio.create_task(controller.run())
+        try:
+            await ready_view(store, "svc", 1)
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+            await controller.aclose()
+    assert fault_proxy.cut == 1
+    events = await store.events("svc", count=1000)
+    assert [e.fields.get("replica") for e in events if e.kind == "launch"] == ["1"]
+    assert not [e for e in events if e.kind == "terminate"], events
