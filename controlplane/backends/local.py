@@ -6,7 +6,8 @@ task fields keeps it from running twice, across controller restarts too). Per
 replica, the task's `run` command runs as `bash -c` in its own session and
 process group, in `workdir`, with the spec's `envs` and `secrets` plus `PORT`
 (a free 127.0.0.1 port), `SLUICE_REPLICA_ID` and `SKYPILOT_SERVE_REPLICA_ID`;
-stdout and stderr go to `{state_dir}/{service}/replica-{id}.log`.
+stdout and stderr go to `{state_dir}/{service}/replica-{id}.log`. A running setup
+has a handle file too (`setup-v{version}.json`, removed when it ends).
 
 The handle records pid (= process group id), the process's start time (so a
 recycled pid is never mistaken for the replica), port and log path; it is also
@@ -249,22 +250,31 @@ class LocalBackend:
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        # Like a replica's handle file: lets `sluice run` stop a setup whose controller died.
+        handle_path = log_path.with_suffix(".json")
+        handle_path.write_text(json.dumps(
+            {"pid": proc.pid, "start_time": processes.start_time(proc.pid)}
+        ))  # fmt: skip
         try:
             code = await proc.wait()
         except asyncio.CancelledError:
             processes.signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise
+        finally:
+            with contextlib.suppress(OSError):
+                handle_path.unlink()
         if code != 0:
             raise LaunchFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
 
 
 def recorded_handles(state_dir: Path, service: str) -> list[Handle]:
-    """The handles of `service`'s replicas that have a handle file (spawned and not yet
-    terminated by a controller), for `sluice run`'s last-resort cleanup."""
+    """The handles of `service`'s replicas and setups that have a handle file (spawned and
+    not yet terminated or finished), for `sluice run`'s last-resort cleanup."""
     handles: list[Handle] = []
-    for path in sorted((state_dir / service).glob("replica-*.json")):
+    directory = state_dir / service
+    for path in sorted([*directory.glob("replica-*.json"), *directory.glob("setup-v*.json")]):
         with contextlib.suppress(OSError, ValueError):
             handle = json.loads(path.read_text())
             if isinstance(handle, dict):

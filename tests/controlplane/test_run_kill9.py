@@ -40,10 +40,18 @@ def marked(marker: str) -> list[int]:
     return found
 
 
-def write_spec(path: Path, marker: str) -> None:
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
+
+
+def write_spec(path: Path, marker: str, *, setup: bool) -> None:
     run = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
     key, value = marker.split("=", 1)
     path.write_text(
+        # A setup that never ends: bash and its child sleep, one process group.
+        ("setup: sleep 300; true\n" if setup else "") +
         "service:\n"
         "  readiness_probe:\n"
         "    path: /health\n"
@@ -83,11 +91,18 @@ def wait_for(predicate: object, within: float, what: str, log: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("victim", ["run", "controller", "proxy"])
-def test_kill_9_leaves_no_replica_and_no_redis_running(victim: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("victim", "setup"),
+    [("run", False), ("controller", False), ("proxy", False), ("run", True),
+     ("controller", True)],
+    ids=["run", "controller", "proxy", "run-during-setup", "controller-during-setup"],
+)  # fmt: skip
+def test_kill_9_leaves_no_replica_and_no_redis_running(
+    victim: str, setup: bool, tmp_path: Path
+) -> None:
     marker = f"SLUICE_KILL9_TEST={uuid.uuid4().hex}"
     spec, state, log = tmp_path / "svc.yaml", tmp_path / "state", tmp_path / "run.log"
-    write_spec(spec, marker)
+    write_spec(spec, marker, setup=setup)
     started: dict[str, tuple[int, int | None]] = {}  # role -> (pid, start time)
     try:
         with sluice_run(spec, state, log) as run:
@@ -96,12 +111,22 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(victim: str, tmp_path: Pa
                 assert run.poll() is None, f"sluice run exited:\n{log.read_text()}"
                 with contextlib.suppress(OSError, ValueError):
                     pids = json.loads((state / "run.json").read_text())["pids"]
-                    return set(pids) == {"redis", "controller", "proxy"} and (
-                        len(marked(marker)) == 2
-                    )
+                    if set(pids) != {"redis", "controller", "proxy"}:
+                        return False
+                    if setup:  # the setup runs: bash and its child sleep
+                        return any(_comm(pid) == "sleep" for pid in marked(marker))
+                    return len(marked(marker)) == 2
                 return False
 
-            wait_for(up, 60, "sluice run to start its replicas", log)
+            wait_for(up, 60, "sluice run to start its replicas (or setup)", log)
+            if setup:
+                # Its handle file follows the spawn by microseconds; no need to fail here
+                # if it never comes (that is what the assertion below catches).
+                deadline = time.monotonic() + 5
+                while not (state / "k9" / "setup-v1.json").exists():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
             pids = json.loads((state / "run.json").read_text())["pids"]
             started = {role: (pid, processes.start_time(pid)) for role, pid in pids.items()}
             started["run"] = (run.pid, processes.start_time(run.pid))
