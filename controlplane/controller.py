@@ -383,7 +383,9 @@ class Controller:
         """Terminate every replica this controller can reach (no drain); delete the records.
 
         A fenced controller that no longer holds the lease terminates nothing but its
-        own launches in flight: the fleet is the successor's.
+        own launches in flight: the fleet is the successor's. When Redis cannot be
+        reached (`sluice run`'s private one gets SIGTERM with the controller when
+        `sluice run` dies), it terminates the replicas its last steps saw.
         """
         launches = list(self._launches.values())
         self._launches.clear()
