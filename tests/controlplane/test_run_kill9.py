@@ -1,5 +1,6 @@
 """`kill -9` of `sluice run`, of its controller or of its proxy leaves no replica and
-no redis-server running. A real `sluice run` of a tiny local-replica service.
+no redis-server running. A real `sluice run` of a tiny local-replica service; and a
+controller closing with its Redis already gone (in process).
 
 Replicas are found by a marker in their environment (the spec's `envs`), scanning
 /proc: whatever launched them and whatever the records say, none may survive.
@@ -7,6 +8,7 @@ Replicas are found by a marker in their environment (the spec's `envs`), scannin
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -15,12 +17,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from controlplane import processes
+from controlplane import ops, processes
+from controlplane.controller import Controller, ControllerConfig
+from controlplane.redisserver import EmbeddedRedis
+from controlplane.store import Store
+from tests.controlplane.test_controller import alive, make_spec, pid_of, ready_view
 from tests.fixtures_replicas import HOST, REPO, free_port
 
 SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
@@ -150,3 +156,35 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
             if processes.running(pid, start):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
+    redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path
+) -> None:
+    # What a controller under `sluice run` does when `sluice run` dies: its private
+    # Redis gets SIGTERM at the same moment, so the controller may close without it.
+    server = redis_factory()
+    config = ControllerConfig(
+        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
+        term_timeout=3.0, terminate_on_close=True,
+    )  # fmt: skip
+    async with Store.from_url(server.url) as store:
+        controller = Controller(store, config)
+        await controller.start()
+        runner = asyncio.create_task(controller.run())
+        try:
+            await ops.up(store, "svc", make_spec(2))
+            await ready_view(store, "svc", 2)
+            pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        server.kill()
+        try:
+            await controller.aclose()
+            assert not [pid for pid in pids if alive(pid)]
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
