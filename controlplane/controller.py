@@ -55,7 +55,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -951,6 +951,18 @@ async def run_controller(
         await store.aclose()
 
 
+async def _renew(store: Store, holder: str, ttl: float) -> bool | None:
+    """Renew the lease: True if renewed, False if someone else holds it (or it expired),
+    None if Redis did not answer within a third of the TTL."""
+    try:
+        async with asyncio.timeout(ttl / 3):
+            return await store.renew_lease(holder, ttl)
+    except (StoreError, TimeoutError) as exc:
+        log.warning("controller %s: renewing the lease: %s", holder,
+                    str(exc) or type(exc).__name__)  # fmt: skip
+        return None
+
+
 async def _acquire(store: Store, holder: str, ttl: float) -> None:
     said = False
     while True:
@@ -971,26 +983,33 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
 
     A renewal that does not answer within a third of the TTL counts as failed
     (a stalled Redis must not leave a leader acting on an expired lease), and
-    the leader steps down before the lease can have expired under it. A
-    cancellation of this coroutine always propagates.
+    the leader steps down before the lease can have expired under it. A commit
+    refused by the fence (LeaseLost) ends `run()`: the leader steps down at once,
+    even while a renewal is still waiting for an answer. A cancellation of this
+    coroutine always propagates.
     """
     runner = asyncio.create_task(controller.run(), name="controller")
     last_renewed = time.monotonic()
     try:
         while True:
+            done: set[asyncio.Task[Any]]
             done, _ = await asyncio.wait({runner}, timeout=ttl / 3)
-            if done:
+            renewal: asyncio.Task[bool | None] | None = None
+            if not done:
+                renewal = asyncio.create_task(_renew(store, holder, ttl))
+                try:
+                    done, _ = await asyncio.wait(
+                        {runner, renewal}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    renewal.cancel()
+                    await asyncio.wait({renewal})
+            if runner in done or renewal is None:
                 with contextlib.suppress(LeaseLost):
                     runner.result()  # run() only ends by raising
                 log.warning("controller %s: %s", holder, runner.exception())
                 return  # a commit was refused: the lease is someone else's
-            try:
-                async with asyncio.timeout(ttl / 3):
-                    renewed = await store.renew_lease(holder, ttl)
-            except (StoreError, TimeoutError) as exc:
-                log.warning("controller %s: renewing the lease: %s", holder,
-                            exc or type(exc).__name__)
-                renewed = None
+            renewed = renewal.result()
             if renewed is False:
                 return  # someone else holds it, or it expired
             if renewed:

@@ -39,7 +39,9 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._armed = 0
         self._containing = b""
+        self._dropping = b""
         self.cut = 0  # connections cut after an EXEC
+        self.dropped = 0  # writes dropped by drop_commands
         self.port = 0
 
     @property
@@ -52,6 +54,13 @@ class FaultProxy:
         with self._lock:
             self._armed = count
             self._containing = containing
+
+    def drop_commands(self, containing: bytes) -> None:
+        """From now on, never forward a write that contains `containing` (its sender waits
+        for a reply that never comes, as behind a partition); b"" stops dropping."""
+        with self._lock:
+            self._dropping = containing
+            self.dropped = 0
 
     def __enter__(self) -> FaultProxy:
         self._thread.start()
@@ -81,6 +90,13 @@ class FaultProxy:
             await asyncio.wait(self._tasks)
         await self._server.wait_closed()
 
+    def _drop(self, chunk: bytes) -> bool:
+        with self._lock:
+            if not self._dropping or self._dropping not in chunk:
+                return False
+            self.dropped += 1
+            return True
+
     def _take_exec(self, chunk: bytes) -> bool:
         if _EXEC not in chunk or self._containing not in chunk:
             return False
@@ -104,6 +120,8 @@ class FaultProxy:
         to_client = asyncio.create_task(self._pump(server_r, client_w))
         try:
             while chunk := await client_r.read(65536):
+                if self._drop(chunk):
+                    continue
                 if self._take_exec(chunk):
                     # The client never gets the reply: stop relaying, drop its connection,
                     # forward the EXEC, and keep the server side open until the server

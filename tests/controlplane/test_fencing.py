@@ -19,8 +19,10 @@ import redis
 from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord
+from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import LeaseLost, Mutation, Store
 from tests.controlplane.test_controller import REPO, alive, make_spec, pid_of, ready_view
+from tests.faultproxy import FaultProxy
 from tests.fixtures_redis import eventually
 
 
@@ -151,6 +153,55 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         for record in (await store.replicas("svc")).values():
             with contextlib.suppress(ProcessLookupError, KeyError):
                 os.killpg(pid_of(record), signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+async def test_a_resumed_leader_s_next_commit_is_refused(
+    controllers: list[ControllerProcess],
+    redis_server: EmbeddedRedis,
+    redis_prefix: str,
+    store: Store,
+    tmp_path: Path,
+) -> None:
+    """As above, with a successor of another name, and the resumed leader's lease
+    renewals lost on the way to Redis (a partition that spares its other traffic): what
+    stops it is its next commit, refused by the fence."""
+    assert redis_server.port is not None
+    with FaultProxy(redis_server.port) as proxy:
+        argv = controller_argv(proxy.url, redis_prefix, tmp_path / "state", "ctl", ttl=6)
+        leader = ControllerProcess(tmp_path / "leader.log", argv)
+        controllers.append(leader)
+        await ops.up(store, "svc", make_spec(1))
+        await ready_view(store, "svc", 1)
+        before = await store.replicas("svc")
+        replica_pid = pid_of(before[1])
+        try:
+            leader.proc.send_signal(signal.SIGSTOP)
+            async with asyncio.timeout(30):
+                while await store.lease_holder() is not None:
+                    await asyncio.sleep(0.05)
+            assert await store.acquire_lease("successor", 60)
+            proxy.drop_commands(b"EVALSHA")  # the lease scripts: renewal never answers
+            os.killpg(replica_pid, signal.SIGKILL)
+            await eventually(lambda: not alive(replica_pid), what="the replica to die")
+            await store.nudge("svc")
+            resumed_at = len(leader.text())
+            leader.proc.send_signal(signal.SIGCONT)
+
+            await eventually(
+                lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
+                within=30, what="the resumed leader to step down",
+            )  # fmt: skip
+            after = leader.text()[resumed_at:]
+            assert "commit refused: the leader lease is successor's" in after, after
+            assert await store.replicas("svc") == before, after
+            assert "replica 2" not in after
+            assert await store.lease_holder() == "successor"
+        finally:
+            leader.stop()
+            for record in (await store.replicas("svc")).values():
+                with contextlib.suppress(ProcessLookupError, KeyError):
+                    os.killpg(pid_of(record), signal.SIGKILL)
 
 
 # -- the store's fence, in process ---------------------------------------------------------
