@@ -406,7 +406,11 @@ class Controller:
         records: dict[str, list[ReplicaRecord]] = {}
         try:
             fence = self._store.fence
-            if fence is not None and await self._store.lease_holder() != fence:
+            # Ours, or free again (it may expire while we shut down): take it for the
+            # deletes below. Another's: its holder leads the fleet now.
+            if fence is not None and not await self._store.acquire_lease(
+                fence, self.config.lease_ttl
+            ):
                 log.warning("controller %s: not the leader any more; leaving the replicas", fence)
                 return
             for name in await self._store.services():

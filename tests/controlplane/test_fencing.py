@@ -272,3 +272,47 @@ async def test_a_controller_step_without_the_lease_launches_nothing(
             await controller.step()
         assert await store.replicas("svc") == {}
     assert not list((tmp_path / "state").glob("svc/replica-*"))
+
+
+@pytest.mark.parametrize("lease", ["expired", "taken"])
+async def test_terminate_on_close_needs_the_lease_to_be_ours_or_free(
+    lease: str,
+    store: Store,
+    redis_client: redis.asyncio.Redis,
+    redis_prefix: str,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    config = ControllerConfig(
+        redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
+        reconcile_interval=30.0, term_timeout=3.0, terminate_on_close=True, lease_ttl=60.0,
+    )  # fmt: skip
+    fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
+    assert await store.acquire_lease("me:1", 60)
+    controller = Controller(fenced, config)
+    await controller.start()
+    runner = asyncio.create_task(controller.run())
+    pids: list[int] = []
+    try:
+        await ops.up(store, "svc", make_spec(1))
+        await ready_view(store, "svc", 1)
+        pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+        # The lease ran out while shutting down (a slow exit), or a successor took it.
+        await redis_client.delete(store.keys.leader)
+        if lease == "taken":
+            assert await store.acquire_lease("successor", 60)
+        await controller.aclose()
+        if lease == "expired":  # nobody else leads: stopped, records deleted
+            assert not [pid for pid in pids if alive(pid)]
+            assert await store.replicas("svc") == {}
+        else:  # the successor's fleet now: untouched
+            assert all(alive(pid) for pid in pids)
+            assert list(await store.replicas("svc")) == [1]
+    finally:
+        runner.cancel()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
