@@ -928,7 +928,11 @@ def _seek_last_lines(fh: Any, lines: int) -> None:
     show_default=True,
     help="Leader lease TTL; a standby takes over after it.",
 )
-@click.option("--holder", help="This controller's lease holder id (default: host and pid).")
+@click.option(
+    "--holder",
+    help="This controller's name in the leader lease (default: host and pid); a random "
+    "token is appended, so two controllers given the same name never both lead.",
+)
 @click.option(
     "--reconcile-interval",
     type=click.FloatRange(0, min_open=True),

@@ -56,7 +56,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -71,6 +71,7 @@ from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
+    Handle,
     ReplicaRecord,
     ReplicaStatus,
     ServiceRecord,
@@ -88,7 +89,13 @@ from controlplane.rollout import (
 )
 from controlplane.scaling import Scaling
 from controlplane.spec import ReadinessProbe, ServiceSpec, is_count_only_change
-from controlplane.store import Mutation, ServiceNotFound, Store, StoreError, StoreUnavailable
+from controlplane.store import (
+    LeaseLost,
+    Mutation,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("sluice.controller")
 
@@ -102,7 +109,8 @@ class ControllerConfig:
     `state_dir` holds replica logs and handle files (`{state_dir}/{service}/`).
     `drain_seconds`: how long a retired replica keeps running after it left the
     ready set. `lease_ttl`: the leader lease's TTL (renewed every third of it).
-    `holder`: this controller's name in the lease (default host:pid:random).
+    `holder`: this controller's name in the lease (default host:pid); a random
+    token is appended per process, so the lease value is unique.
     `reconcile_interval`: the longest a controller goes without a step.
     `term_timeout`: SIGTERM to SIGKILL for local replicas. `replica_env`: the host
     environment whose allow-listed variables local replicas get (None: the
@@ -280,6 +288,9 @@ class Controller:
         # Probe results not yet committed (kept across a replan).
         self._probe_results: dict[str, dict[int, ProbeResult]] = {}
         self._known: set[str] = set()
+        # service -> replica id -> (backend, handle) as of the last step: what
+        # terminate_all stops when Redis is gone (sluice run's dies with it).
+        self._fleet: dict[str, dict[int, tuple[ReplicaBackend, Handle]]] = {}
         self._deadline: float | None = None
         self._started = False
 
@@ -358,8 +369,8 @@ class Controller:
                 try:
                     await self.step()
                     failures = 0
-                except asyncio.CancelledError:
-                    raise
+                except (asyncio.CancelledError, LeaseLost):
+                    raise  # LeaseLost: a successor leads; run_controller steps down
                 except StoreUnavailable as exc:
                     failures += 1
                     log.warning("reconcile step failed: %s", exc)
@@ -376,7 +387,13 @@ class Controller:
                 await listener
 
     async def terminate_all(self) -> None:
-        """Terminate every replica this controller can reach (no drain); delete the records."""
+        """Terminate every replica this controller can reach (no drain); delete the records.
+
+        A fenced controller that no longer holds the lease terminates nothing but its
+        own launches in flight: the fleet is the successor's. When Redis cannot be
+        reached (`sluice run`'s private one gets SIGTERM with the controller when
+        `sluice run` dies), it terminates the replicas its last steps saw.
+        """
         launches = list(self._launches.values())
         self._launches.clear()
         for launch in launches:
@@ -388,17 +405,40 @@ class Controller:
             if not launch.task.cancelled() and launch.task.exception() is None:
                 with contextlib.suppress(Exception):
                     await launch.backend.terminate(launch.task.result().handle)
-        for name in await self._store.services():
-            state = await self._store.read_state(name)
-            if state is None:
-                continue
-            victims = [r for r in state.replicas.values() if r.handle]
-            await asyncio.gather(
-                *(self._backend(r).terminate(r.handle) for r in victims),
-                return_exceptions=True,
-            )
-            with contextlib.suppress(ServiceNotFound):
-                await self._store.commit(name, replica_deletes=[r.id for r in victims])
+        victims = {
+            (name, replica_id): known
+            for name, replicas in self._fleet.items()
+            for replica_id, known in replicas.items()
+        }
+        records: dict[str, list[ReplicaRecord]] = {}
+        try:
+            fence = self._store.fence
+            # Ours, or free again (it may expire while we shut down): take it for the
+            # deletes below. Another's: its holder leads the fleet now.
+            if fence is not None and not await self._store.acquire_lease(
+                fence, self.config.lease_ttl
+            ):
+                log.warning("controller %s: not the leader any more; leaving the replicas", fence)
+                return
+            for name in await self._store.services():
+                state = await self._store.read_state(name)
+                if state is not None:
+                    records[name] = [r for r in state.replicas.values() if r.handle]
+                    for r in records[name]:
+                        victims[(name, r.id)] = (self._backend(r), r.handle)
+        except StoreError as exc:
+            # `sluice run`'s private Redis may already be gone (both got SIGTERM when
+            # `sluice run` died): stop what the last step saw.
+            log.warning("terminating the %d replicas this controller knows of: %s",
+                        len(victims), exc)  # fmt: skip
+        await asyncio.gather(
+            *(backend.terminate(handle) for backend, handle in victims.values()),
+            return_exceptions=True,
+        )
+        self._fleet.clear()
+        for name, replicas in records.items():
+            with contextlib.suppress(StoreError):
+                await self._store.commit(name, replica_deletes=[r.id for r in replicas])
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -411,7 +451,7 @@ class Controller:
             for name in names:
                 try:
                     await self._reconcile(name)
-                except asyncio.CancelledError:
+                except (asyncio.CancelledError, LeaseLost):
                     raise
                 except Exception as exc:
                     log.warning("service %s: reconcile failed: %s", name, exc)
@@ -432,6 +472,10 @@ class Controller:
             except _Stale:
                 continue  # an ops command wrote meanwhile: plan again on fresh data
             await self._after_commit(plan, launched)
+            if not plan.unregister:
+                self._fleet[name] = {
+                    r.id: (self._backend(r), r.handle) for r in plan.table.values() if r.handle
+                }
             return
         log.warning("service %s: state kept changing; will retry next step", name)
 
@@ -799,6 +843,7 @@ class Controller:
     def _forget_gone(self, names: set[str]) -> None:
         for name in self._known - names:
             self._forget(name)
+        self._scaling.keep_only(names)
         for key, launch in list(self._launches.items()):
             if key[0] in names or not launch.task.done():
                 continue
@@ -811,6 +856,7 @@ class Controller:
 
     def _forget(self, name: str) -> None:
         self._known.discard(name)
+        self._fleet.pop(name, None)
         self._scaling.forget(name)
         self._probe_results.pop(name, None)
         self._prober.forget_service(name)
@@ -881,6 +927,14 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+def unique_holder(name: str | None) -> str:
+    """The lease holder id of this process: `name` (default host:pid) plus a random
+    token, so that two controllers given the same `--holder` never both lead."""
+    if name is None:
+        return default_holder()
+    return f"{name}:{uuid.uuid4().hex[:8]}"
+
+
 async def run_controller(
     config: ControllerConfig,
     *,
@@ -891,13 +945,16 @@ async def run_controller(
 
     Stands by (polling the lease every third of its TTL) until it acquires it;
     then starts a Controller, sets `started`, and renews the lease every third
-    of its TTL. If renewal fails, or Redis stays unreachable for most of a TTL,
-    it stops the controller (replicas keep running) and stands by again. On
+    of its TTL. If renewal fails, a commit finds the lease gone (LeaseLost: the
+    store is fenced by this holder), or Redis stays unreachable for most of a
+    TTL, it stops the controller (replicas keep running) and stands by again. On
     cancellation it closes the controller and releases the lease, so a standby
-    takes over at once.
+    takes over at once. The holder id is `config.holder` plus a random token.
     """
-    holder = config.holder or default_holder()
-    store = Store.from_url(config.redis_url, prefix=config.prefix, ca_file=config.redis_ca_file)
+    holder = unique_holder(config.holder)
+    store = Store.from_url(
+        config.redis_url, prefix=config.prefix, ca_file=config.redis_ca_file, fence=holder
+    )
     try:
         while True:
             await _acquire(store, holder, config.lease_ttl)
@@ -919,11 +976,28 @@ async def run_controller(
         await store.aclose()
 
 
+async def _renew(store: Store, holder: str, ttl: float) -> bool | None:
+    """Renew the lease: True if renewed, False if someone else holds it (or it expired),
+    None if Redis did not answer within a third of the TTL."""
+    try:
+        async with asyncio.timeout(ttl / 3):
+            return await store.renew_lease(holder, ttl)
+    except (StoreError, TimeoutError) as exc:
+        log.warning("controller %s: renewing the lease: %s", holder,
+                    str(exc) or type(exc).__name__)  # fmt: skip
+        return None
+
+
 async def _acquire(store: Store, holder: str, ttl: float) -> None:
+    said = False
     while True:
         try:
             if await store.acquire_lease(holder, ttl):
                 return
+            if not said:
+                log.info("controller %s: standing by (the lease is %s's)", holder,
+                         await store.lease_holder())  # fmt: skip
+                said = True
         except StoreError as exc:
             log.warning("controller %s: lease: %s", holder, exc)
         await asyncio.sleep(ttl / 3)
@@ -934,25 +1008,33 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
 
     A renewal that does not answer within a third of the TTL counts as failed
     (a stalled Redis must not leave a leader acting on an expired lease), and
-    the leader steps down before the lease can have expired under it. A
-    cancellation of this coroutine always propagates.
+    the leader steps down before the lease can have expired under it. A commit
+    refused by the fence (LeaseLost) ends `run()`: the leader steps down at once,
+    even while a renewal is still waiting for an answer. A cancellation of this
+    coroutine always propagates.
     """
     runner = asyncio.create_task(controller.run(), name="controller")
     last_renewed = time.monotonic()
     try:
         while True:
+            done: set[asyncio.Task[Any]]
             done, _ = await asyncio.wait({runner}, timeout=ttl / 3)
-            if done:
-                runner.result()  # run() only ends by raising
-                return
-            try:
-                async with asyncio.timeout(ttl / 3):
-                    renewed = await store.renew_lease(holder, ttl)
-            except (StoreError, TimeoutError) as exc:
-                log.warning(
-                    "controller %s: renewing the lease: %s", holder, exc or type(exc).__name__
-                )
-                renewed = None
+            renewal: asyncio.Task[bool | None] | None = None
+            if not done:
+                renewal = asyncio.create_task(_renew(store, holder, ttl))
+                try:
+                    done, _ = await asyncio.wait(
+                        {runner, renewal}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    renewal.cancel()
+                    await asyncio.wait({renewal})
+            if runner in done or renewal is None:
+                with contextlib.suppress(LeaseLost):
+                    runner.result()  # run() only ends by raising
+                log.warning("controller %s: %s", holder, runner.exception())
+                return  # a commit was refused: the lease is someone else's
+            renewed = renewal.result()
             if renewed is False:
                 return  # someone else holds it, or it expired
             if renewed:
@@ -965,5 +1047,6 @@ async def _lead(store: Store, holder: str, ttl: float, controller: Controller) -
         # task must propagate, or SIGTERM would turn into "lost the lease" and the
         # controller would lead again.
         await asyncio.wait({runner})
-        if not runner.cancelled() and runner.exception() is not None:
+        failure = None if runner.cancelled() else runner.exception()
+        if failure is not None and not isinstance(failure, LeaseLost):
             log.error("controller %s: run() failed", holder, exc_info=runner.exception())

@@ -63,6 +63,26 @@ def running(pid: int, started: object = None) -> bool:
     return True
 
 
+def owns_group(pid: int, started: object) -> bool:
+    """True if signalling process group `pid` can only reach the process started at
+    `started` (and its group): that process still runs with that start time, or no
+    process has the pid any more (Linux does not reuse a pid while a group of that id
+    has members, so group `pid` can then only hold the original's stragglers).
+
+    False when the pid now belongs to another process (recycled, e.g. after a host
+    reboot with the records kept), or when the start time is unknown and the pid is
+    alive: that group may be a stranger's.
+    """
+    if not os.path.isdir("/proc/self"):
+        return True  # no procfs (not Linux): start times are neither recorded nor checkable
+    fields = stat_fields(pid)
+    if fields is None:
+        return True
+    if not isinstance(started, int) or isinstance(started, bool):
+        return False
+    return len(fields) > 19 and int(fields[19]) == started
+
+
 def signal_group(pgid: int, sig: int) -> None:
     """Signal a process group, ignoring one that is already gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -15,8 +15,9 @@ change otherwise) until SIGINT, SIGTERM or SIGHUP. Shutdown, in order: `ops.down
 wait (at most `down_timeout`) for the controller to terminate the replicas and
 unregister the service; stop the proxy, then the controller (SIGTERM, SIGKILL
 after `stop_timeout`); kill any replica process group still alive (a controller
-that missed the deadline; identified by pid and start time from its handle);
-stop redis. A second signal skips the waiting. Nothing is left running.
+that missed the deadline, or died; handles from Redis and from the local
+backend's handle files, identified by pid and start time); stop redis. A
+second signal skips the waiting. Nothing is left running.
 
 Children run in their own sessions, so a Ctrl-C on the terminal reaches only
 this process, which then stops them in the order above; each also gets SIGTERM
@@ -51,7 +52,7 @@ from typing import IO, TextIO
 import msgspec
 
 from controlplane import ops, processes
-from controlplane.backends.local import check_fixed_port, fixed_port
+from controlplane.backends.local import check_fixed_port, fixed_port, recorded_handles
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, ServiceStatus, check_service_name
 from controlplane.redisserver import EmbeddedRedis
@@ -358,6 +359,8 @@ class ServiceRun:
                 self._view.message(f"sluice: could not take {config.name} down cleanly: {exc}")
         for role in ("proxy", "controller"):
             await self._stop_child(role)
+        with contextlib.suppress(StoreError):  # what a controller that died left recorded
+            self._remember_handles(await store.replicas(config.name))
         if self._kill_replicas():
             self._view.message("sluice: killed replicas the controller left running")
         self._stop_redis()
@@ -413,8 +416,14 @@ class ServiceRun:
 
     def _kill_replicas(self) -> bool:
         """SIGTERM, then SIGKILL, the process group of every local replica still running
-        (the handle's pid and start time must match). True if there was any."""
-        alive = [h for h in self._handles.values() if _replica_running(h)]
+        (the handle's pid and start time must match). True if there was any.
+
+        Besides the handles seen in Redis, the local backend's handle files: a replica
+        spawned by a controller that died before recording it (or before this run saw
+        the record) is found there."""
+        handles = [*self._handles.values(), *recorded_handles(self._config.state_dir,
+                                                              self._config.name)]  # fmt: skip
+        alive = [h for h in handles if _replica_running(h)]
         for handle in alive:
             _signal_group(handle, signal.SIGTERM)
         deadline = time.monotonic() + self._config.stop_timeout
@@ -538,7 +547,12 @@ def _replica_running(handle: Handle) -> bool:
 
 def _signal_group(handle: Handle, sig: int) -> None:
     pid = handle.get("pid")
-    if isinstance(pid, int) and pid > 0 and _replica_running(handle):
+    if (
+        isinstance(pid, int)
+        and pid > 0
+        and _replica_running(handle)
+        and processes.owns_group(pid, handle.get("start_time"))  # never a stranger's group
+    ):
         processes.signal_group(pid, sig)  # the local backend's replica: pid == its group
 
 

@@ -18,6 +18,7 @@ starts from the number of replicas it finds running, not from zero.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,8 +34,16 @@ from controlplane.rollout import LIVE, target_replicas
 from controlplane.spec import ReplicaPolicy, ServiceSpec
 from controlplane.store import Store
 
+log = logging.getLogger("sluice.scaling")
+
 #: An in-flight entry older than this (proxy gone or stuck) is not counted.
 INFLIGHT_FRESH_SECONDS = 3.0
+#: Every service's rps hash is trimmed to the QPS window at least this often, whether
+#: or not it autoscales on QPS (proxies write one field per second regardless).
+RPS_TRIM_INTERVAL_SECONDS = 10.0
+#: At most this many services with a pending "demand" nudge (names are checked
+#: against the registered services at every step; more are dropped).
+MAX_PENDING_DEMAND = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +57,7 @@ class _Service:
     autoscaler: Autoscaler
     version: tuple[float, int]  # (created_at, version) of the policy it follows
     due: float  # the next decision
+    trim_due: float = 0.0  # the next trim of the rps hash
 
 
 class Scaling:
@@ -69,8 +79,25 @@ class Scaling:
         self._demand: set[str] = set()
 
     def note_demand(self, name: str) -> None:
-        """A proxy holds requests of `name` with no replica: scale it from zero next step."""
-        self._demand.add(name)
+        """A proxy holds requests of `name` with no replica: scale it from zero next step.
+
+        Anyone who can publish on the control channel can send any name: at most
+        MAX_PENDING_DEMAND are kept, and `keep_only` drops those of no service.
+        """
+        if name in self._demand or len(self._demand) < MAX_PENDING_DEMAND:
+            self._demand.add(name)
+        else:
+            log.warning("dropping a demand nudge for %r: %d already pending", name[:100],
+                        len(self._demand))  # fmt: skip
+
+    def keep_only(self, names: set[str]) -> None:
+        """Forget pending demand for anything but these (the registered services)."""
+        self._demand &= names
+
+    @property
+    def pending_demand(self) -> frozenset[str]:
+        """Services with a demand nudge not yet acted on (diagnostics, tests)."""
+        return frozenset(self._demand)
 
     def forget(self, name: str) -> None:
         self._services.pop(name, None)
@@ -115,6 +142,10 @@ class Scaling:
             )
             service.version = version
             service.due = now + service.autoscaler.interval
+        if now >= service.trim_due:
+            # Seconds before the window are never read again; nothing else trims them.
+            await self._store.trim_rps(name, int(now) - self._qps_window - 1)
+            service.trim_due = now + RPS_TRIM_INTERVAL_SECONDS
         autoscaler = service.autoscaler
         if demand and autoscaler.autoscaling and autoscaler.current == 0:
             decision = autoscaler.demand(now)

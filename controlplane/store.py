@@ -16,6 +16,7 @@ Keys (prefix configurable, default `sluice`; `Keys` names each one):
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
     {p}:leader                    string   controller leader lease (with TTL)
+    {p}:op:{id}                   string   marks transaction {id} as applied (TTL 60 s)
 
 The ready set changes only through `Store.commit`: under WATCH on the service
 record, the replica table and the generation, it reads them, applies the change,
@@ -24,6 +25,17 @@ writes the records, INCRs the generation, SETs the snapshot and PUBLISHes it. A
 concurrent writer aborts the EXEC and the commit retries on fresh data, so two
 writers never interleave and a reader (`read_state`, one MULTI/EXEC) never sees
 records and snapshot disagree.
+
+Fencing: a store built with `fence=HOLDER` (the controller's) also WATCHes the
+leader lease and reads it with the records; unless the lease holds HOLDER, the
+commit raises LeaseLost and writes nothing, and a lease taken over between the
+read and the EXEC aborts the EXEC. So a leader paused past its lease (GC, SIGSTOP,
+a slow VM) cannot commit once a successor holds the lease.
+
+Ambiguous commits: when the connection drops after EXEC was sent, redis-py raises
+WatchError although the EXEC may have been applied. Each transaction therefore
+SETs `{p}:op:{id}` (a random id, one per call, kept 60 s) in its MULTI/EXEC, and a
+retry that finds the key returns instead of applying the change a second time.
 
 The generation lives in Redis: run Redis with persistence (AOF) in production.
 A Redis that restarts empty restarts generations at 1; proxies notice (their
@@ -41,6 +53,7 @@ import logging
 import random
 import time
 import types
+import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -76,6 +89,9 @@ DEFAULT_PREFIX = "sluice"
 # Pause after a lost WATCH race: uniform in [0, min(max, min * 2**attempt)] seconds.
 _RETRY_PAUSE_MIN = 0.0005
 _RETRY_PAUSE_MAX = 0.02
+# How long a transaction's applied-marker lives: far longer than one commit call lasts
+# (its retries included), short enough that the markers stay few.
+_OP_TTL_MS = 60_000
 
 
 class StoreError(SluiceError):
@@ -86,6 +102,7 @@ class StoreError(SluiceError):
     ├── ServiceNotFound    no such service
     ├── ServiceExists      register_service of a name already taken
     ├── CommitConflict     too many concurrent writers; the commit gave up
+    ├── LeaseLost          a fenced commit found the leader lease held by another
     └── RecordInvalid      a record in Redis does not decode
     """
 
@@ -104,6 +121,10 @@ class ServiceExists(StoreError):
 
 class CommitConflict(StoreError):
     """The commit lost the WATCH race too many times in a row."""
+
+
+class LeaseLost(StoreError):
+    """A fenced store's commit found the leader lease gone or held by someone else."""
 
 
 class RecordInvalid(StoreError):
@@ -132,6 +153,10 @@ class Keys:
     def leader(self) -> str:
         """The controller leader lease."""
         return f"{self.prefix}:leader"
+
+    def op(self, op_id: str) -> str:
+        """Marks the transaction `op_id` as applied (short TTL)."""
+        return f"{self.prefix}:op:{op_id}"
 
     def service(self, name: str) -> str:
         """Hash holding the ServiceRecord."""
@@ -317,8 +342,12 @@ class Store:
         clock: Callable[[], float] = time.time,
         owns_client: bool = False,
         max_commit_attempts: int = 100,
+        fence: str | None = None,
     ) -> None:
+        """`fence`: a lease holder id; every commit then requires that it holds the leader
+        lease (the controller's store; ops commands use an unfenced one)."""
         self.keys = Keys(prefix)
+        self.fence = fence
         self._redis = client
         self._clock = clock
         self._owns_client = owns_client
@@ -338,6 +367,7 @@ class Store:
         clock: Callable[[], float] = time.time,
         socket_timeout: float = 10.0,
         ca_file: str | None = None,
+        fence: str | None = None,
     ) -> Store:
         """A store with its own client for `url` (redis://, rediss://, unix://); no I/O yet.
         `ca_file`: the CA that signed a rediss:// server's certificate (None: the
@@ -351,7 +381,7 @@ class Store:
             retry=Retry(ExponentialWithJitterBackoff(cap=0.5, base=0.05), 2),
             **redis_tls_options(url, ca_file),
         )
-        return cls(client, prefix=prefix, clock=clock, owns_client=True)
+        return cls(client, prefix=prefix, clock=clock, owns_client=True, fence=fence)
 
     async def aclose(self) -> None:
         """Close the client if the store owns it."""
@@ -588,23 +618,30 @@ class Store:
 
     async def _transact(self, name: str, plan: _Planner, *, force: bool) -> ReadySnapshot:
         k = self.keys
+        op_id = uuid.uuid4().hex  # one per call: its retries carry the same id
+        watched = [k.service(name), k.replicas(name), k.gen(name)]
+        if self.fence is not None:
+            watched.append(k.leader)
         with self._errors():
             async with self._redis.pipeline(transaction=True) as pipe:
                 for attempt in range(self._max_commit_attempts):
                     try:
-                        await pipe.watch(k.service(name), k.replicas(name), k.gen(name))
-                        return await self._attempt(pipe, name, plan, force)
+                        await pipe.watch(*watched)
+                        return await self._attempt(pipe, name, plan, force, op_id)
                     except WatchError:
-                        # Another writer got in first: plan again on fresh data, after a
-                        # jittered pause so that racing writers fall out of lockstep
-                        # (without it one of them can lose every round).
+                        # Another writer got in first, or the connection dropped (maybe
+                        # after our EXEC was applied: the next attempt looks). Plan again
+                        # on fresh data, after a jittered pause so that racing writers
+                        # fall out of lockstep (without it one can lose every round).
                         ceiling = min(_RETRY_PAUSE_MAX, _RETRY_PAUSE_MIN * 2**attempt)
                         await asyncio.sleep(random.uniform(0, ceiling))
         raise CommitConflict(
             f"service {name}: commit lost {self._max_commit_attempts} WATCH races in a row"
         )
 
-    async def _attempt(self, pipe: Any, name: str, plan: _Planner, force: bool) -> ReadySnapshot:
+    async def _attempt(
+        self, pipe: Any, name: str, plan: _Planner, force: bool, op_id: str
+    ) -> ReadySnapshot:
         k = self.keys
         # Read on another connection: anything written after the WATCH above aborts
         # our EXEC, so these reads need no transaction of their own (one round trip).
@@ -613,7 +650,21 @@ class Store:
             reads.hgetall(k.replicas(name))
             reads.get(k.gen(name))
             reads.get(k.snapshot(name))
-            raw_record, raw_table, raw_gen, raw_snapshot = await reads.execute()
+            reads.exists(k.op(op_id))
+            if self.fence is not None:
+                reads.get(k.leader)
+            raw_record, raw_table, raw_gen, raw_snapshot, applied, *lease = await reads.execute()
+        if applied:
+            # An earlier attempt's EXEC was applied but its reply was lost.
+            await pipe.unwatch()
+            if raw_snapshot is None:
+                raise ServiceNotFound(f"no service {name!r}")
+            return decode_snapshot(raw_snapshot)
+        if self.fence is not None and (not lease[0] or _text(lease[0]) != self.fence):
+            await pipe.unwatch()
+            holder = _text(lease[0]) if lease[0] else "nobody"
+            raise LeaseLost(f"service {name}: commit refused: the leader lease is {holder}'s, "
+                            f"not {self.fence}'s")  # fmt: skip
         current = decode_service_record(raw_record) if raw_record else None
         change = plan(current, raw_table)
         touched = {str(i).encode() for i in change.deletes}
@@ -650,6 +701,7 @@ class Store:
             pipe.publish(k.ready(name), payload)
         if change.extra is not None:
             change.extra(pipe)
+        pipe.set(k.op(op_id), b"1", px=_OP_TTL_MS)
         await pipe.execute()
         decoded.update((encoded[r.id], r) for r in change.upserts)
         self._decoded[name] = decoded
@@ -698,17 +750,36 @@ class Store:
         return events
 
     async def read_rps(self, name: str) -> dict[int, int]:
-        """Request counts per unix second, as flushed by the proxies (all proxies summed)."""
+        """Request counts per unix second, as flushed by the proxies (all proxies summed).
+
+        A field that is not an integer second with an integer count (written by hand,
+        or by something that is not a sluice proxy) is skipped and logged.
+        """
         with self._errors():
             raw = await self._redis.hgetall(self.keys.rps(name))
-        return dict(sorted((int(second), int(count)) for second, count in raw.items()))
+        counts = {}
+        for second, count in raw.items():
+            parsed = _int(second), _int(count)
+            if parsed[0] is None or parsed[1] is None:
+                log.warning("service %s: ignoring a malformed rps field %r=%r", name,
+                            second, count)  # fmt: skip
+                continue
+            counts[parsed[0]] = parsed[1]
+        return dict(sorted(counts.items()))
 
     async def trim_rps(self, name: str, before: int) -> int:
-        """Delete request counts of seconds earlier than `before`; returns how many."""
+        """Delete request counts of seconds earlier than `before`, and fields that are not
+        an integer second (logged); returns how many were deleted."""
         key = self.keys.rps(name)
         with self._errors():
             seconds = await self._redis.hkeys(key)
-            old = [s for s in seconds if int(s) < before]
+            old = []
+            for raw in seconds:
+                second = _int(raw)
+                if second is None:
+                    log.warning("service %s: deleting a malformed rps field %r", name, raw)
+                if second is None or second < before:
+                    old.append(raw)
             if not old:
                 return 0
             deleted: int = await self._redis.hdel(key, *old)
@@ -874,6 +945,14 @@ class ControlSubscription:
         """Unsubscribe and release the connection."""
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()
+
+
+def _int(raw: bytes | str) -> int | None:
+    """An integer field or value of a hash, or None when it is not one."""
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _ms(seconds: float) -> int:

@@ -24,6 +24,8 @@ spec's `envs` and `secrets`, then `PORT` (a free 127.0.0.1 port),
 without the three replica variables. The service directory is 0700, its logs
 and handle files 0600; an invalid service name (from a hand-written Redis key)
 fails the launch before any path is made from it.
+A running setup has a handle file too (`setup-v{version}.json`, removed when it
+ends).
 
 The handle records pid (= process group id), the process's start time (so a
 recycled pid is never mistaken for the replica), port and log path; it is also
@@ -32,7 +34,9 @@ between spawning and recording the replica leaves it recoverable. Processes are
 spawned with posix_spawn and reaped by pid: a replica outlives the controller
 that started it, and the next controller adopts it by pid.
 
-Terminate: SIGTERM to the group; SIGKILL to the group after `term_timeout`.
+Terminate: SIGTERM to the group; SIGKILL to the group after `term_timeout`. Only
+while the group can be the replica's (`processes.owns_group`): a pid that now
+belongs to another process (its start time differs) is never signalled.
 """
 
 from __future__ import annotations
@@ -240,12 +244,20 @@ class LocalBackend:
     async def terminate(self, handle: Handle) -> None:
         """SIGTERM the process group, SIGKILL it after `term_timeout`; remove the handle file."""
         pid = _pid(handle)
+        if pid is not None:
+            self._reap(pid)  # our own exited child: its pid is free, not a stranger's
+        if pid is not None and not processes.owns_group(pid, handle.get("start_time")):
+            # The pid belongs to another process now (or cannot be verified): its group
+            # is a stranger's. Never signal it.
+            log.warning("replica process %d is not the one recorded (start time differs); "
+                        "not signalling it", pid)  # fmt: skip
+            pid = None
         if pid is not None and self.exited(handle) is None:
             processes.signal_group(pid, signal.SIGTERM)
             deadline = time.monotonic() + self._term_timeout
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
-        if pid is not None:
+        if pid is not None and processes.owns_group(pid, handle.get("start_time")):
             # Stragglers the leader left behind, or a leader that ignored SIGTERM.
             processes.signal_group(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
@@ -334,12 +346,20 @@ class LocalBackend:
                 stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        # Like a replica's handle file: lets `sluice run` stop a setup whose controller died.
+        handle_path = log_path.with_suffix(".json")
+        handle_path.write_text(json.dumps(
+            {"pid": proc.pid, "start_time": processes.start_time(proc.pid)}
+        ))  # fmt: skip
         try:
             code = await proc.wait()
         except asyncio.CancelledError:
             processes.signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise
+        finally:
+            with contextlib.suppress(OSError):
+                handle_path.unlink()
         if code != 0:
             raise TaskFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
@@ -354,6 +374,19 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def recorded_handles(state_dir: Path, service: str) -> list[Handle]:
+    """The handles of `service`'s replicas and setups that have a handle file (spawned and
+    not yet terminated or finished), for `sluice run`'s last-resort cleanup."""
+    handles: list[Handle] = []
+    directory = state_dir / service
+    for path in sorted([*directory.glob("replica-*.json"), *directory.glob("setup-v*.json")]):
+        with contextlib.suppress(OSError, ValueError):
+            handle = json.loads(path.read_text())
+            if isinstance(handle, dict):
+                handles.append(handle)
+    return handles
 
 
 def _pid(handle: Handle) -> int | None:

@@ -1,0 +1,190 @@
+"""`kill -9` of `sluice run`, of its controller or of its proxy leaves no replica and
+no redis-server running. A real `sluice run` of a tiny local-replica service; and a
+controller closing with its Redis already gone (in process).
+
+Replicas are found by a marker in their environment (the spec's `envs`), scanning
+/proc: whatever launched them and whatever the records say, none may survive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane import ops, processes
+from controlplane.controller import Controller, ControllerConfig
+from controlplane.redisserver import EmbeddedRedis
+from controlplane.store import Store
+from tests.controlplane.test_controller import alive, make_spec, pid_of, ready_view
+from tests.fixtures_replicas import HOST, REPO, free_port
+
+SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
+
+
+def marked(marker: str) -> list[int]:
+    """Pids of live processes whose environment carries `marker`."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                if processes.running(int(entry)):
+                    found.append(int(entry))
+    return found
+
+
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
+
+
+def write_spec(path: Path, marker: str, *, setup: bool) -> None:
+    run = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
+    key, value = marker.split("=", 1)
+    path.write_text(
+        # A setup that never ends: bash and its child sleep, one process group.
+        ("setup: sleep 300; true\n" if setup else "") +
+        "service:\n"
+        "  readiness_probe:\n"
+        "    path: /health\n"
+        "    endpoint_probe_interval_seconds: 0.5\n"
+        "  replicas: 2\n"
+        f"workdir: {REPO}\n"
+        f"envs:\n  {key}: {value}\n"
+        f"run: {run}\n"
+    )
+
+
+@contextlib.contextmanager
+def sluice_run(spec: Path, state: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec), "-n", "k9",
+            "--state-dir", str(state), "--host", HOST, "--port", str(free_port()),
+            "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def wait_for(predicate: object, within: float, what: str, log: Path) -> None:
+    assert callable(predicate)
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {within}s waiting for {what}\n{log.read_text()}")
+        time.sleep(0.05)  # polling other processes' state; bounded by the deadline
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("victim", "setup"),
+    [("run", False), ("controller", False), ("proxy", False), ("run", True),
+     ("controller", True)],
+    ids=["run", "controller", "proxy", "run-during-setup", "controller-during-setup"],
+)  # fmt: skip
+def test_kill_9_leaves_no_replica_and_no_redis_running(
+    victim: str, setup: bool, tmp_path: Path
+) -> None:
+    marker = f"SLUICE_KILL9_TEST={uuid.uuid4().hex}"
+    spec, state, log = tmp_path / "svc.yaml", tmp_path / "state", tmp_path / "run.log"
+    write_spec(spec, marker, setup=setup)
+    started: dict[str, tuple[int, int | None]] = {}  # role -> (pid, start time)
+    try:
+        with sluice_run(spec, state, log) as run:
+
+            def up() -> bool:
+                assert run.poll() is None, f"sluice run exited:\n{log.read_text()}"
+                with contextlib.suppress(OSError, ValueError):
+                    pids = json.loads((state / "run.json").read_text())["pids"]
+                    if set(pids) != {"redis", "controller", "proxy"}:
+                        return False
+                    if setup:  # the setup runs: bash and its child sleep
+                        return any(_comm(pid) == "sleep" for pid in marked(marker))
+                    return len(marked(marker)) == 2
+                return False
+
+            wait_for(up, 60, "sluice run to start its replicas (or setup)", log)
+            if setup:
+                # Its handle file follows the spawn by microseconds; no need to fail here
+                # if it never comes (that is what the assertion below catches).
+                deadline = time.monotonic() + 5
+                while not (state / "k9" / "setup-v1.json").exists():
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+            pids = json.loads((state / "run.json").read_text())["pids"]
+            started = {role: (pid, processes.start_time(pid)) for role, pid in pids.items()}
+            started["run"] = (run.pid, processes.start_time(run.pid))
+            for i, pid in enumerate(marked(marker)):
+                started[f"replica{i}"] = (pid, processes.start_time(pid))
+
+            os.kill(started[victim][0], signal.SIGKILL)
+
+            def all_gone() -> bool:
+                run.poll()  # reap sluice run itself if it ended
+                return not marked(marker) and not any(
+                    processes.running(pid, start) for pid, start in started.values()
+                )
+
+            wait_for(all_gone, SETTLE, f"everything to stop after kill -9 of the {victim}", log)
+    finally:
+        for pid in marked(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        for pid, start in started.values():
+            if processes.running(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
+    redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path
+) -> None:
+    # What a controller under `sluice run` does when `sluice run` dies: its private
+    # Redis gets SIGTERM at the same moment, so the controller may close without it.
+    server = redis_factory()
+    config = ControllerConfig(
+        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
+        term_timeout=3.0, terminate_on_close=True,
+    )  # fmt: skip
+    async with Store.from_url(server.url) as store:
+        controller = Controller(store, config)
+        await controller.start()
+        runner = asyncio.create_task(controller.run())
+        try:
+            await ops.up(store, "svc", make_spec(2))
+            await ready_view(store, "svc", 2)
+            pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        server.kill()
+        try:
+            await controller.aclose()
+            assert not [pid for pid in pids if alive(pid)]
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
