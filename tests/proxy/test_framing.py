@@ -174,23 +174,32 @@ async def small_window_connection(port: int) -> AsyncIterator[rawhttp.RawConnect
             await writer.wait_closed()
 
 
-async def test_pipelined_request_respects_the_clients_backpressure(
-    proxy_factory: ProxyFactory,
-) -> None:
-    first = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (192 * 1024) + b"a" * 192 * 1024
+async def test_pipelined_request_respects_the_clients_backpressure() -> None:
+    first = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (32 * 1024) + b"a" * 32 * 1024
     size = 64 * 1024 * 1024
     big = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"b" * size
-    async with ScriptedUpstream({"/first": first, "/big": big}) as upstream:
-        proxy = await proxy_factory.astart(*BASE_ARGS, replicas=[upstream.url])
-        async with small_window_connection(proxy.port) as conn:
-            # Pipelined; the client reads nothing. The first response's last write leaves
-            # the client's transport over its high-water mark, then the second one starts.
-            conn.send(get("/first") + get("/big"))
-            await until(lambda: len(upstream.requests) == 2, what="both requests forwarded")
-            deadline = asyncio.get_running_loop().time() + 1.0
-            while asyncio.get_running_loop().time() < deadline:
-                assert upstream.unsent > 0, "the proxy read the whole second response"
-                await asyncio.sleep(0.05)
+    source = ManualSource()
+    async with (ScriptedUpstream({"/first": first, "/big": big}) as upstream,
+                inprocess_proxy(source) as app,
+                small_window_connection(app.port) as conn):
+        source.publish(upstream.url)
+        assert app.ctx is not None
+        ctx = app.ctx
+        [client] = await until(lambda: list(ctx.connections), what="the proxy's side")
+        # Small buffers on the proxy's side of this connection (no autotuning): the first
+        # response's only write is the one that leaves the transport over its high-water
+        # mark, and it ends that exchange; then the pipelined one starts.
+        assert client.transport is not None
+        client.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client.transport.set_write_buffer_limits(high=1024)
+        conn.send(get("/first") + get("/big"))  # the client reads nothing
+        await until(lambda: len(upstream.requests) == 2, what="both requests forwarded")
+        deadline = asyncio.get_running_loop().time() + 1.0
+        while asyncio.get_running_loop().time() < deadline:
+            assert upstream.unsent > 0, "the proxy read the whole second response"
+            await asyncio.sleep(0.05)
+        assert client.write_paused
 
 
 async def test_forwarding_headers_are_the_proxys(proxy_factory: ProxyFactory) -> None:
