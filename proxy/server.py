@@ -578,7 +578,7 @@ class Exchange:
                 up_out.append(http.CRLF)
             else:
                 up_out.append(data)
-            self.client.upload = self
+            self.upload_at_read_end()
             if self.body_whole:
                 if self.body_len <= cfg.retry_body_limit:
                     self.body.append(data)
@@ -598,12 +598,21 @@ class Exchange:
         if conn is not None:
             if self.chunked:
                 self.up_out.append(http.LAST_CHUNK)
-                self.client.upload = self
+                self.upload_at_read_end()
             if self.upload_at:
                 # The time the client spent sending the body to the replica does not count
                 # against the deadline (which bounds waiting for a replica and for headers).
                 self.deadline_at += self.ctx.now - self.upload_at
                 self.upload_at = 0.0
+
+    def upload_at_read_end(self) -> None:
+        """Have `up_out` written when the client's read has been parsed (one write per read)."""
+        client = self.client
+        waiting = client.upload
+        if waiting is not self:
+            if waiting is not None:
+                waiting.flush_upstream()  # another exchange's bytes go first, as received
+            client.upload = self
 
     def flush_upstream(self) -> None:
         up_out = self.up_out
