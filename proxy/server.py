@@ -819,6 +819,8 @@ class Exchange:
         if self.sse_held:
             # Our 200 head is out: end the event stream with an error event instead.
             response = http.chunk(http.sse_error(status)) + http.LAST_CHUNK
+        elif self.is_head:
+            response = response[:response.index(b"\r\n\r\n") + 4]  # no body, ever, for HEAD
         self.client.write(response)
         self.ctx.stats.count_response(status)
         self.finish(close or self.close_after)

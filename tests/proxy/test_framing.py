@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.upstream import UpstreamConnection
-from tests.fixtures_replicas import Proxy, ProxyFactory
+from tests.fixtures_replicas import Proxy, ProxyFactory, free_port
 from tests.proxy import rawhttp
 from tests.proxy.harness import (
     BASE_ARGS,
@@ -304,3 +304,15 @@ async def test_stalled_upload_is_cut_by_the_idle_timeout(proxy_factory: ProxyFac
             assert resp.status == 408
             assert await conn.closed_by_peer(5.0)
         assert upstream.requests == []
+
+
+async def test_the_proxys_own_answer_to_head_has_no_body(proxy_factory: ProxyFactory) -> None:
+    dead = f"http://{HOST}:{free_port()}"  # nothing listens: every attempt fails, 502
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--max-attempts", "1", replicas=[dead])
+    async with rawhttp.connect(proxy.port) as conn:
+        head = await conn.request(get("/x", method="HEAD"), head=True)
+        assert head.status == 502
+        # Had a body followed the HEAD answer, this response would start inside it.
+        after = await conn.request(get("/x"))
+        assert after.status == 502
+        assert b"bad_gateway" in after.body
