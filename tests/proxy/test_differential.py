@@ -7,13 +7,16 @@ garbage and Host-less requests) go through one real sluice-proxy process
 (`--pool-size 1`, two replicas) to scripted replicas. Each request names, in its path,
 how the replica answers it: Content-Length, chunked, chunked with trailers, an extra
 unrequested response in the same write, a 1xx first, 204, 304, `Connection: close`,
-close-delimited, `Connection: content-length`, or cut short by a close.
+close-delimited, `Connection: content-length`, cut short by a close, or a close before
+any answer (the proxy's 502; `--max-attempts 1`, so only the one free retry of a stale
+pooled connection may send it a second time).
 
 The model is the plain expectation: what each client sent, and what each replica answer
 is. After every example:
 - each request the proxy forwarded arrived at a replica exactly once (at most once when
-  its client saw no answer), with the client's method, origin-form path and body bytes,
-  and nothing else arrived (no smuggled request);
+  its client saw no answer; at most twice for a close before any answer), with the
+  client's method, origin-form path and body bytes, and nothing else arrived (no
+  smuggled request);
 - each client got exactly the answers to its own requests, in order, each framed exactly
   once (one Content-Length, or chunked, never both; none for HEAD, 204 and 304);
 - no byte a replica sent after a complete response reached any client;
@@ -49,7 +52,7 @@ EXAMPLES = int(os.environ.get("SLUICE_DIFF_EXAMPLES", "200"))
 T = TypeVar("T")
 
 BEHAVIOURS = ("len", "chunked", "trailers", "extra", "interim", "s204", "s304", "close",
-              "eof", "conncl", "cut")
+              "eof", "conncl", "cut", "early")
 INJECTED = b"INJECTED"
 
 
@@ -100,6 +103,8 @@ def reply(rid: str, behaviour: str, head_only: bool) -> tuple[bytes, bool]:
     if behaviour == "conncl":
         return (b"HTTP/1.1 200 OK\r\nConnection: content-length\r\n" + tag
                 + b"Content-Length: %d\r\n\r\n" % n + body), False
+    if behaviour == "early":
+        return b"", True  # closes without answering: the proxy may retry once, then 502
     assert behaviour == "cut"
     if head_only:
         # A HEAD answer is complete at its head: closing after it without saying so is the
@@ -152,7 +157,8 @@ class _ReplicaConnection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
             return
         data, close = reply(parts[2], parts[3], method == "HEAD")
-        self.transport.write(data)
+        if data:
+            self.transport.write(data)
         if close:
             self.transport.close()
 
@@ -351,10 +357,15 @@ class Outcome:
 
 def check_response(req: Req, resp: rawhttp.Response, out: Outcome) -> None:
     rid = req.rid
-    want_status = {"s204": 204, "s304": 304}.get(req.behaviour, 200)
+    want_status = {"s204": 204, "s304": 304, "early": 502}.get(req.behaviour, 200)
     where = f"{req.method} {req.path} ({req.token}, absolute={req.absolute})"
     if resp.status != want_status:
         out.problems.append(f"{where}: status {resp.status}, body {resp.body[:80]!r}")
+        return
+    if want_status == 502:  # the proxy's own answer: framed, and nothing of a replica's
+        if resp.names & {"x-req", "x-injected", "x-leak"} or (
+                not req.head and b"bad_gateway" not in resp.body):
+            out.problems.append(f"{where}: 502 is {resp.headers} {resp.body[:80]!r}")
         return
     if resp.all("X-Req") != [rid]:
         out.problems.append(f"{where}: answered with X-Req {resp.all('X-Req')}")
@@ -473,7 +484,7 @@ async def run_example(bench: Bench, session: list[list[Batch]]) -> Outcome:
         if (a.method, a.url, a.body) != (req.method, req.path, req.body):
             out.problems.append(f"forwarded as {a}, sent {req.method} {req.path} {req.body!r}")
     for rid, n in seen.items():
-        if n > 1:
+        if n > (2 if out.sent[rid].behaviour == "early" else 1):  # early: one stale retry
             out.problems.append(f"{out.sent[rid].path} reached replicas {n} times")
     for rid in out.answered - seen.keys():
         out.problems.append(f"{out.sent[rid].path} answered but never reached a replica")
