@@ -9,9 +9,16 @@ Future, no logging, no timer object.
 
 Timeouts are enforced by one sweeper per process (`ServerContext.tick`, every
 100 ms) that looks at absolute deadlines and progress counters, instead of a
-timer per request: the request deadline (until response headers), the wait
-for a ready replica, the idle time between response chunks, the time to read
-a request head, and idle keep-alive connections.
+timer per request: the request deadline (until response headers; time spent
+uploading the body to a replica does not count), the wait for a ready replica,
+the idle time between response chunks and between request-body chunks (408),
+the time to read a request head, and idle keep-alive connections.
+
+Request-head rules (README, "Protocol hygiene"): exactly one Host (HTTP/1.0 may
+omit it), absolute-form targets rewritten to origin-form, framing headers never
+removed by a `Connection` token, X-Forwarded-For combined with the peer
+appended, X-Real-IP set from the peer, a client's Forwarded dropped. Body bytes
+parsed from one client read go upstream in one write (`flush_upstream`).
 
 Retries: only before anything was sent to the client, only while the request
 body is still held in full (bodies up to `retry_body_limit` are kept), up to
