@@ -94,7 +94,7 @@ TOO_LARGE = error_response(413, "payload_too_large", "request body exceeds --max
                            close=True)
 HEADERS_TOO_LARGE = error_response(431, "request_header_fields_too_large",
                                    "request headers exceed the proxy's limits", close=True)
-BAD_HOST = error_response(400, "bad_request", "a request needs exactly one Host header",
+BAD_HOST = error_response(400, "bad_request", "a request needs exactly one valid Host header",
                           close=True)
 BAD_TARGET = error_response(400, "bad_request", "unsupported request target", close=True)
 REQUEST_TIMEOUT = error_response(408, "request_timeout",

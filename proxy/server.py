@@ -55,6 +55,9 @@ NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
 PAUSE_PIPELINE, PAUSE_BODY_BUFFER, PAUSE_UPSTREAM = 1, 2, 4
 
 _BODY_BUFFER_HIGH = 256 * 1024
+# Bytes a Host value (uri-host [":" port], RFC 3986) may hold: deleting these must leave b"".
+_HOST_BYTES = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+               b"-._~!$&'()*+;=:[]%")
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 
@@ -291,7 +294,7 @@ class ClientConnection(asyncio.Protocol):
         if n_length > 1 or (n_length and chunked):
             raise _Reject(http.BAD_REQUEST, 400)
         # RFC 9112 3.2: exactly one Host (HTTP/1.0 may omit it).
-        if n_host > 1 or (not n_host and http11):
+        if n_host > 1 or (not n_host and http11) or host.translate(None, _HOST_BYTES):
             raise _Reject(http.BAD_HOST, 400)
         if length > ctx.config.max_body:
             raise _Reject(http.TOO_LARGE, 413)

@@ -325,6 +325,7 @@ refusals = st.sampled_from([
     Refused(b"BLAH\x00 /x HTTP/1.1\r\n\r\n", 400),
     Refused(b"GET /d/nohost/len HTTP/1.1\r\n\r\n", 400),
     Refused(b"GET /d/twohosts/len HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+    Refused(b"GET /d/badhost/len HTTP/1.1\r\nHost: a, b\r\n\r\n", 400),
     Refused(b"POST /d/both/len HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
 ])

@@ -238,8 +238,10 @@ async def test_absolute_form_target_is_rewritten_to_origin_form(
     b"GET /h HTTP/1.1\r\n\r\n",
     b"GET /h HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
     b"GET /h HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
-], ids=["missing", "twice", "twice-http10"])
-async def test_a_request_without_exactly_one_host_gets_400(
+    b"GET /h HTTP/1.1\r\nHost: a, evil.example\r\n\r\n",
+    b"GET /h HTTP/1.1\r\nHost: a/b@c\r\n\r\n",
+], ids=["missing", "twice", "twice-http10", "list", "not-a-host"])
+async def test_a_request_without_exactly_one_valid_host_gets_400(
     request_bytes: bytes, proxy_factory: ProxyFactory,
 ) -> None:
     async with ScriptedUpstream({"/h": OK}) as upstream:
