@@ -22,8 +22,15 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-# Request headers the proxy sets itself and so never forwards as received.
-REQUEST_DROP = HOP_BY_HOP | {b"host", b"expect", b"x-forwarded-proto", b"x-forwarded-host"}
+# Request headers the proxy sets itself and so never forwards as received. A client's
+# Forwarded and X-Real-IP would be trusted by the replica as the proxy's word: dropped.
+REQUEST_DROP = HOP_BY_HOP | {b"host", b"expect", b"x-forwarded-proto", b"x-forwarded-host",
+                             b"x-real-ip", b"forwarded"}
+
+# Connection tokens that never remove a header: framing and Host are the proxy's to decide
+# (`Connection: content-length` would otherwise unframe a body and smuggle it as a request).
+NOT_NAMEABLE = frozenset({b"keep-alive", b"close", b"content-length", b"transfer-encoding",
+                          b"host"})
 
 CRLF = b"\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
@@ -50,6 +57,14 @@ def chunk(data: bytes) -> bytes:
 
 def connection_tokens(value: bytes) -> set[bytes]:
     return {t.strip().lower() for t in value.split(b",") if t.strip()}
+
+
+def named_hop_headers(values: list[bytes]) -> set[bytes]:
+    """Header names the `Connection:` values make hop-by-hop, framing headers excepted."""
+    names: set[bytes] = set()
+    for value in values:
+        names |= connection_tokens(value)
+    return names - NOT_NAMEABLE
 
 
 def error_response(code: int, error: str, detail: str, *, close: bool,
@@ -79,6 +94,11 @@ TOO_LARGE = error_response(413, "payload_too_large", "request body exceeds --max
                            close=True)
 HEADERS_TOO_LARGE = error_response(431, "request_header_fields_too_large",
                                    "request headers exceed the proxy's limits", close=True)
+BAD_HOST = error_response(400, "bad_request", "a request needs exactly one valid Host header",
+                          close=True)
+BAD_TARGET = error_response(400, "bad_request", "unsupported request target", close=True)
+REQUEST_TIMEOUT = error_response(408, "request_timeout",
+                                 "the request body stalled for --stream-idle-timeout", close=True)
 UPGRADE_REFUSED = error_response(501, "upgrade_not_supported",
                                  "protocol upgrades (WebSocket, CONNECT) are not proxied",
                                  close=True)

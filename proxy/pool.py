@@ -65,6 +65,9 @@ class ReplicaPool:
         self.waiters.discard(ex)
 
     def release(self, conn: UpstreamConnection, reusable: bool) -> None:
+        """Take `conn` back, or hand it straight to a waiting exchange. Never called from
+        inside a parser callback (upstream.py): a waiter given the connection there would be
+        fed whatever llhttp parses next from the same buffer."""
         conn.exchange = None
         if not reusable or self.closed or conn.closed:
             conn.close()  # connection_lost -> discard() does the accounting

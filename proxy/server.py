@@ -9,9 +9,16 @@ Future, no logging, no timer object.
 
 Timeouts are enforced by one sweeper per process (`ServerContext.tick`, every
 100 ms) that looks at absolute deadlines and progress counters, instead of a
-timer per request: the request deadline (until response headers), the wait
-for a ready replica, the idle time between response chunks, the time to read
-a request head, and idle keep-alive connections.
+timer per request: the request deadline (until response headers; time spent
+uploading the body to a replica does not count), the wait for a ready replica,
+the idle time between response chunks and between request-body chunks (408),
+the time to read a request head, and idle keep-alive connections.
+
+Request-head rules (README, "Protocol hygiene"): exactly one Host (HTTP/1.0 may
+omit it), absolute-form targets rewritten to origin-form, framing headers never
+removed by a `Connection` token, X-Forwarded-For combined with the peer
+appended, X-Real-IP set from the peer, a client's Forwarded dropped. Body bytes
+parsed from one client read go upstream in one write (`flush_upstream`).
 
 Retries: only before anything was sent to the client, only while the request
 body is still held in full (bodies up to `retry_body_limit` are kept), up to
@@ -48,7 +55,29 @@ NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
 PAUSE_PIPELINE, PAUSE_BODY_BUFFER, PAUSE_UPSTREAM = 1, 2, 4
 
 _BODY_BUFFER_HIGH = 256 * 1024
+# Bytes a Host value (uri-host [":" port], RFC 3986) may hold: deleting these must leave b"".
+_HOST_BYTES = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+               b"-._~!$&'()*+;=:[]%")
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+
+
+def _origin_form(url: bytes) -> tuple[bytes, bytes]:
+    """(origin-form target, authority) of an absolute-form target (RFC 9112 3.2.2)."""
+    scheme, sep, rest = url.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        raise _Reject(http.BAD_TARGET, 400)
+    cut = len(rest)
+    for mark in (b"/", b"?", b"#"):
+        at = rest.find(mark)
+        if 0 <= at < cut:
+            cut = at
+    authority, path = rest[:cut], rest[cut:]
+    if not authority or b"@" in authority:
+        raise _Reject(http.BAD_TARGET, 400)
+    path = path.partition(b"#")[0]
+    if not path.startswith(b"/"):
+        path = b"/" + path
+    return path, authority
 
 
 class _Reject(Exception):
@@ -95,10 +124,13 @@ class ClientConnection(asyncio.Protocol):
         "parser",
         "pause_mask",
         "peer",
+        "peer_tail",
         "pending",
         "reading",
         "transport",
+        "upload",
         "url",
+        "write_paused",
     )
 
     def __init__(self, ctx: ServerContext) -> None:
@@ -106,6 +138,7 @@ class ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.peer = b""
+        self.peer_tail = ctx.proto_header
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
@@ -116,6 +149,8 @@ class ClientConnection(asyncio.Protocol):
         self.current: Exchange | None = None  # exchange answering the client now
         self.pending: deque[Exchange] = deque()  # pipelined requests waiting their turn
         self.pause_mask = 0
+        self.write_paused = False  # the client's transport is over its high-water mark
+        self.upload: Exchange | None = None  # request body bytes to send at the end of a read
         self.idle_since = ctx.now
 
     # -- asyncio.Protocol ---------------------------------------------------
@@ -125,6 +160,8 @@ class ClientConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peer = str(peer[0]).encode("latin-1")
+            # Headers the proxy sets from the connection itself, built once per connection.
+            self.peer_tail = b"X-Real-IP: %s\r\n%s" % (self.peer, self.ctx.proto_header)
         self.ctx.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -144,6 +181,10 @@ class ClientConnection(asyncio.Protocol):
         except httptools.HttpParserError:
             self.reject(http.BAD_REQUEST, 400)
         else:
+            upload = self.upload
+            if upload is not None:
+                self.upload = None
+                upload.flush_upstream()
             if continuing and self.head_started:
                 # llhttp reports a header only once its line ends: bound an endless one here.
                 self.head_read += len(data)
@@ -169,11 +210,15 @@ class ClientConnection(asyncio.Protocol):
         self.transport = None
 
     def pause_writing(self) -> None:
+        # Kept as state, not only passed on: an exchange that starts later (the next
+        # pipelined request) must begin paused, as no second pause_writing will come.
+        self.write_paused = True
         ex = self.current
         if ex is not None and ex.upstream is not None:
             ex.upstream.pause_reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         ex = self.current
         if ex is not None and ex.upstream is not None:
             ex.upstream.resume_reading()
@@ -208,27 +253,32 @@ class ClientConnection(asyncio.Protocol):
         started = self.head_started
         self.head_started = 0.0
         method: bytes = parser.get_method()
-        self.http11 = parser.get_http_version() == "1.1"
+        http11 = self.http11 = parser.get_http_version() == "1.1"
         keep = []
         host = b""
+        n_host = 0
         xff = b""
-        chunked = b""  # the Transfer-Encoding value; re-chunked upstream as received
+        chunked = b""  # the Transfer-Encoding values; re-chunked upstream as received
         expect = False
         n_length = 0
         length = 0
-        tokens: set[bytes] | None = None
+        connection: list[bytes] | None = None
         drop = http.REQUEST_DROP
         for name, value in self.headers:
             lname = name.lower()
             if lname in drop:
                 if lname == b"host":
                     host = value
+                    n_host += 1
                 elif lname == b"transfer-encoding":
-                    chunked = value
+                    chunked = chunked + b", " + value if chunked else value
                 elif lname == b"expect":
                     expect = value.lower() == b"100-continue"
                 elif lname == b"connection":
-                    tokens = http.connection_tokens(value)
+                    if connection is None:
+                        connection = [value]
+                    else:
+                        connection.append(value)
                 continue
             if lname == b"content-length":
                 n_length += 1
@@ -237,21 +287,29 @@ class ClientConnection(asyncio.Protocol):
                 except ValueError:
                     raise _Reject(http.BAD_REQUEST, 400) from None
             elif lname == b"x-forwarded-for":
-                xff = value + b", "
+                xff += value + b", "  # every one, in order; the peer goes last
                 continue
             keep.append(b"%s: %s\r\n" % (name, value))
         # Ambiguous framing is the root of request smuggling: refuse it outright.
         if n_length > 1 or (n_length and chunked):
             raise _Reject(http.BAD_REQUEST, 400)
+        # RFC 9112 3.2: exactly one Host (HTTP/1.0 may omit it).
+        if n_host > 1 or (not n_host and http11) or host.translate(None, _HOST_BYTES):
+            raise _Reject(http.BAD_HOST, 400)
         if length > ctx.config.max_body:
             raise _Reject(http.TOO_LARGE, 413)
-        if tokens and tokens - {b"keep-alive", b"close"}:
-            keep = [
-                line for line in keep
-                if line.split(b":", 1)[0].lower() not in tokens
-            ]
+        url = self.url
+        if url[:1] != b"/" and url != b"*":
+            url, host = _origin_form(url)  # absolute-form: its authority replaces Host
+        if connection is not None:
+            named = http.named_hop_headers(connection)
+            if named:
+                keep = [
+                    line for line in keep
+                    if line.split(b":", 1)[0].lower() not in named
+                ]
         keep.append(b"X-Forwarded-For: %s%s\r\n" % (xff, self.peer))
-        keep.append(ctx.proto_header)
+        keep.append(self.peer_tail)
         if host:
             keep.append(b"X-Forwarded-Host: %s\r\n" % host)
         if chunked:
@@ -260,7 +318,7 @@ class ClientConnection(asyncio.Protocol):
         ex = Exchange(
             self,
             method,
-            method + b" " + self.url + b" HTTP/1.1\r\n",
+            method + b" " + url + b" HTTP/1.1\r\n",
             b"".join(keep),
             keep_alive=parser.should_keep_alive(),
             chunked=bool(chunked),
@@ -391,6 +449,8 @@ class Exchange:
         "state",
         "status",
         "tried",
+        "up_out",
+        "upload_at",
         "upstream",
     )
 
@@ -422,6 +482,8 @@ class Exchange:
         self.body_done = False
         self.body_whole = True  # every body byte received so far is still held
         self.out: list[bytes] = []
+        self.up_out: list[bytes] = []  # request body bytes not yet written upstream
+        self.upload_at = 0.0  # > 0 while the body streams to a replica: when that began
         self.resp_chunked = False
         self.close_after = not keep_alive
         self.status = 0
@@ -488,9 +550,13 @@ class Exchange:
                 parts.append(http.LAST_CHUNK)
         else:
             parts.extend(self.body)
-        if conn.paused:
+        if self.client.write_paused:
+            conn.pause_reading()  # the client is not taking what it was already sent
+        elif conn.paused:
             conn.resume_reading()  # paused by a previous exchange's slow client
         conn.send(b"".join(parts))
+        if not self.body_done:
+            self.upload_at = self.progress_at = self.ctx.now
         if self.body_len > self.ctx.config.retry_body_limit:
             self.body_whole = False
             self.body.clear()
@@ -514,9 +580,18 @@ class Exchange:
             else:
                 self.cut()
             return
+        self.progress += 1
         conn = self.upstream
         if conn is not None:
-            conn.send(http.chunk(data) if self.chunked else data)
+            # Sent once at the end of the client's read (many small chunks: one write).
+            up_out = self.up_out
+            if self.chunked:
+                up_out.append(b"%x\r\n" % len(data))
+                up_out.append(data)
+                up_out.append(http.CRLF)
+            else:
+                up_out.append(data)
+            self.upload_at_read_end()
             if self.body_whole:
                 if self.body_len <= cfg.retry_body_limit:
                     self.body.append(data)
@@ -533,8 +608,32 @@ class Exchange:
     def on_request_complete(self) -> None:
         self.body_done = True
         conn = self.upstream
-        if conn is not None and self.chunked:
-            conn.send(http.LAST_CHUNK)
+        if conn is not None:
+            if self.chunked:
+                self.up_out.append(http.LAST_CHUNK)
+                self.upload_at_read_end()
+            if self.upload_at:
+                # The time the client spent sending the body to the replica does not count
+                # against the deadline (which bounds waiting for a replica and for headers).
+                self.deadline_at += self.ctx.now - self.upload_at
+                self.upload_at = 0.0
+
+    def upload_at_read_end(self) -> None:
+        """Have `up_out` written when the client's read has been parsed (one write per read)."""
+        client = self.client
+        waiting = client.upload
+        if waiting is not self:
+            if waiting is not None:
+                waiting.flush_upstream()  # another exchange's bytes go first, as received
+            client.upload = self
+
+    def flush_upstream(self) -> None:
+        up_out = self.up_out
+        conn = self.upstream
+        if up_out:
+            if conn is not None:
+                conn.send(up_out[0] if len(up_out) == 1 else b"".join(up_out))
+            up_out.clear()
 
     # -- the response ---------------------------------------------------------------
 
@@ -559,22 +658,27 @@ class Exchange:
         hop = http.HOP_BY_HOP
         length = False
         chunked = False
-        tokens: set[bytes] | None = None
+        connection: list[bytes] | None = None
         for name, value in headers:
             lname = name.lower()
             if lname in hop:
                 if lname == b"transfer-encoding":
                     chunked = True
                 elif lname == b"connection":
-                    tokens = http.connection_tokens(value)
+                    if connection is None:
+                        connection = [value]
+                    else:
+                        connection.append(value)
                 continue
             if lname == b"content-length":
                 length = True
             out.append(b"%s: %s\r\n" % (name, value))
-        if tokens and tokens - {b"keep-alive", b"close"}:
-            out = [out[0]] + [
-                line for line in out[1:] if line.split(b":", 1)[0].lower() not in tokens
-            ]
+        if connection is not None:
+            named = http.named_hop_headers(connection)
+            if named:
+                out = [out[0]] + [
+                    line for line in out[1:] if line.split(b":", 1)[0].lower() not in named
+                ]
         no_body = self.is_head or status == 204 or status == 304
         if not no_body and not length:
             if not chunked:
@@ -657,6 +761,14 @@ class Exchange:
         stats.count_response(self.status)
         self.finish(self.close_after)
 
+    def on_upstream_error(self, error: str) -> None:
+        """The replica broke a limit (oversized headers or trailers): 502, or cut if started."""
+        if self.state == STREAMING:
+            self.cut()
+        else:
+            self.last_error = error
+            self.respond(http.bad_gateway(error), 502)
+
     def on_upstream_lost(self, conn: UpstreamConnection, in_response: bool) -> None:
         self.upstream = None
         if self.state == STREAMING or in_response:
@@ -720,6 +832,8 @@ class Exchange:
         if self.sse_held:
             # Our 200 head is out: end the event stream with an error event instead.
             response = http.chunk(http.sse_error(status)) + http.LAST_CHUNK
+        elif self.is_head:
+            response = response[:response.index(b"\r\n\r\n") + 4]  # no body, ever, for HEAD
         self.client.write(response)
         self.ctx.stats.count_response(status)
         self.finish(close or self.close_after)
@@ -763,6 +877,13 @@ class Exchange:
                 self.respond(http.NO_REPLICA, 503)
             elif self.heartbeat_at and now >= self.heartbeat_at:
                 self.heartbeat(now)
+        elif state == SENT and self.upload_at:
+            # The client is still sending the body: the idle timeout governs, not the deadline.
+            if self.progress != self.seen_progress:
+                self.seen_progress = self.progress
+                self.progress_at = now
+            elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
+                self.respond(http.REQUEST_TIMEOUT, 408, close=True)
         elif state == WAIT_CONN or state == SENT:
             if now >= self.deadline_at:
                 self.respond(http.DEADLINE, 504)

@@ -11,6 +11,16 @@ connection would close: measured 3x the CPU per request); a response to HEAD
 ends at its headers, and the parser is replaced afterwards because it cannot
 know the request was HEAD; 1xx responses are separate messages and are
 skipped; a close-delimited body ends in connection_lost.
+
+A complete response is handed back (and the connection released to the pool, maybe
+to a waiting exchange) only after feed_data returns, never from inside a parser
+callback: llhttp goes on parsing the rest of the buffer, and whatever follows a
+complete response (a second response the replica should not have sent) would
+otherwise be read as the next exchange's response. Anything after a complete
+response in the same read closes the connection instead; bytes on an idle
+connection do too. Header lists are reset at each message start, so trailers
+(which llhttp reports through on_header) never reach the next response, and
+header count and size are bounded (502).
 """
 
 from __future__ import annotations
@@ -27,12 +37,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.proxy")
 
+# Bounds on one response head (and its trailers) from a replica.
+MAX_HEADERS = 256
+MAX_HEADER_BYTES = 256 * 1024
+
+
+class _HeadersTooLarge(Exception):
+    pass
+
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "body_framed",
         "closed",
+        "done",
         "exchange",
+        "extra",
+        "header_bytes",
         "headers",
         "in_response",
         "keep_alive",
@@ -51,6 +72,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.exchange: Exchange | None = None
         self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.done: Exchange | None = None  # its response completed in the read being parsed
+        self.extra = False  # the replica sent bytes after a complete response
         self.status = 0
         self.keep_alive = False
         self.closed = False
@@ -71,18 +95,33 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes on an idle connection: the replica is confused; drop the connection.
             self.abort()
             return
+        failed = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            log.error("response path bug, upstream connection dropped", exc_info=exc.__context__)
+            failed = True
+            cause = exc.__context__
+            if isinstance(cause, _HeadersTooLarge):
+                ex = self.exchange
+                if ex is not None:
+                    ex.on_upstream_error("UpstreamHeadersTooLarge")  # detaches and aborts
+            else:
+                log.error("response path bug, upstream connection dropped", exc_info=cause)
+        except httptools.HttpParserError:
+            failed = True  # the replica spoke malformed HTTP
+        done = self.done
+        if done is not None:
+            self.done = None
+            if self.reset_parser:
+                self.reset_parser = False
+                self.parser = httptools.HttpResponseParser(self)
+            # Released only now that llhttp is done with this read, and never reused when
+            # anything followed the response in it.
+            done.on_response_complete(
+                self, reusable=self.keep_alive and not failed and not self.extra)
+        if failed:
             self.abort()
             return
-        except httptools.HttpParserError:
-            self.abort()  # the replica spoke malformed HTTP
-            return
-        if self.reset_parser:
-            self.reset_parser = False
-            self.parser = httptools.HttpResponseParser(self)
         ex = self.exchange
         if ex is not None:
             ex.flush_client()
@@ -110,34 +149,46 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- llhttp callbacks -----------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.exchange is None:
+            self.extra = True  # a message after the complete response: nobody asked for it
+        self.headers = []  # also drops the previous message's trailers
+        self.header_bytes = 0
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        headers = self.headers
+        headers.append((name, value))
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEADER_BYTES or len(headers) > MAX_HEADERS:
+            raise _HeadersTooLarge
 
     def on_headers_complete(self) -> None:
+        ex = self.exchange
+        if ex is None:
+            return  # a message after the complete response (`extra`): read by nobody
         status = self.parser.get_status_code()
         self.status = status
         if status < 200:
             # 1xx: an interim message; the real response follows. 101 is never asked for.
             if status == 101:
                 self.abort()
-            self.headers = []
             return
         self.keep_alive = self.parser.should_keep_alive()
         self.in_response = True
-        ex = self.exchange
-        if ex is not None:
-            headers = self.headers
-            self.headers = []
-            if ex.on_response_headers(self, status, headers) and self.exchange is ex:
-                # HEAD: no body follows, whatever the headers say.
-                self.reset_parser = True
-                self.in_response = False
-                ex.on_response_complete(self, reusable=self.keep_alive)
+        if ex.on_response_headers(self, status, self.headers) and self.exchange is ex:
+            # HEAD: no body follows, whatever the headers say; llhttp does not know that,
+            # so any bytes after the head in this read show up as body: `extra`.
+            self.reset_parser = True
+            self.in_response = False
+            self.exchange = None
+            self.done = ex
 
     def on_body(self, body: bytes) -> None:
         ex = self.exchange
         if ex is not None:
             ex.on_response_body(body)
+        else:
+            self.extra = True
 
     def on_message_complete(self) -> None:
         if self.status < 200:
@@ -147,7 +198,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.in_response = False
         ex = self.exchange
         if ex is not None:
-            ex.on_response_complete(self, reusable=self.keep_alive)
+            self.exchange = None
+            self.done = ex
 
     # -- used by the exchange and the pool --------------------------------------
 

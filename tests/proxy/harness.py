@@ -6,7 +6,8 @@
   whose ready set the test drives snapshot by snapshot.
 - `ScriptedUpstream`: an in-loop HTTP/1.1 server that answers with exact
   bytes the test chose and records exactly what it received and how many
-  connections it got (what aiohttp's server cannot be made to do).
+  connections it got (what aiohttp's server cannot be made to do); a route that
+  returns `HOLD` leaves the reply to the test (`await upstream.held.get()`).
 - `until()`: a bounded poll; `get_json()`, `scrape()`, `replica_stats()`.
 """
 
@@ -160,6 +161,10 @@ class SeenRequest:
 
 Reply = Callable[[SeenRequest], bytes]
 
+# A reply that a route returns to answer later: the connection goes to `ScriptedUpstream.held`
+# and the test writes the reply itself with `answer()`.
+HOLD = b"<hold>"
+
 
 class _ScriptedConnection(asyncio.Protocol):
     def __init__(self, server: ScriptedUpstream) -> None:
@@ -167,6 +172,7 @@ class _ScriptedConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.current = SeenRequest()
+        self.keep_alive = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -199,15 +205,23 @@ class _ScriptedConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         req = self.current
         req.method = self.parser.get_method().decode()
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it after the feed
         self.server.requests.append(req)
         reply = self.server.reply(req)
         assert self.transport is not None
+        if reply is HOLD:
+            self.server.held.put_nowait(self)
+            return
         if not reply:  # an empty reply: close without answering (a keep-alive race)
             self.transport.close()
             return
+        self.answer(reply)
+
+    def answer(self, reply: bytes) -> None:
+        assert self.transport is not None
         self.transport.write(reply)
         head = reply.split(b"\r\n\r\n", 1)[0].lower()
-        if b"connection: close" in head or not self.parser.should_keep_alive():
+        if b"connection: close" in head or not self.keep_alive:
             self.transport.close()
 
 
@@ -221,6 +235,7 @@ class ScriptedUpstream:
         self.raw = b""
         self.connections = 0
         self.open: set[_ScriptedConnection] = set()
+        self.held: asyncio.Queue[_ScriptedConnection] = asyncio.Queue()
         self._server: asyncio.Server | None = None
         self.port = 0
 
