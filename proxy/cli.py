@@ -173,7 +173,8 @@ class _ProxyCommand(click.Command):
                    "seconds (keeps clients and cloud load balancers from timing out). "
                    "0: off.")
 @click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=120.0,
-              show_default=True, help="Max seconds between response chunks.")
+              show_default=True, help="Max seconds between chunks: of a response (the stream is "
+              "cut) and of a request body (408).")
 @click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
               show_default=True, help="Seconds a client has to send a whole request head "
               "(slowloris defence).")
