@@ -221,19 +221,24 @@ class PrefixPolicy:
         if not key:
             return self._fall_back(exclude)
         capacity = -1
+        # A prefix this proxy never routed may not load a replica above the mean (so
+        # unshared traffic balances like least_load); a known one, or a session, may
+        # take (1 + epsilon) x the mean: its cache is worth waiting for.
+        depth = len(key)
+        factor = self._load_factor if depth == 1 else 1.0
         lru = self._lru
         hit: Replica | None = None
-        depth = len(key)
         if depth > 1 and self._lru_size:
             for d in range(depth - 1, 0, -1):
                 hit = lru.get(key[d])
                 if hit is not None:
+                    factor = self._load_factor
                     if hit.left_at is not None or (exclude is not None and hit in exclude):
                         hit = None
                         break
                     lru.move_to_end(key[d])  # refresh: most recent last
                     if hit.inflight:
-                        capacity = self._capacity()
+                        capacity = self._capacity(factor)
                         if hit.inflight >= capacity:
                             hit = None
                     break
@@ -245,7 +250,7 @@ class PrefixPolicy:
                     continue
                 if r.inflight:
                     if capacity < 0:
-                        capacity = self._capacity()
+                        capacity = self._capacity(factor)
                     if r.inflight >= capacity:
                         reason = SPILL
                         continue
@@ -253,8 +258,10 @@ class PrefixPolicy:
                 break
             if chosen is None:
                 return self._fall_back(exclude)
-            if depth > 1 and self._lru_size:
-                # Deeper blocks than any known: remember where they went (first writer wins).
+            if depth > 1 and self._lru_size and (reason == AFFINITY or factor != 1.0):
+                # Remember where the blocks went (first writer wins); a prefix never seen
+                # that spilled is not pinned to where it spilled, so the next one tries
+                # the agreed first choice again (other proxies pin it there).
                 for h in key[1:]:
                     if h not in lru:
                         lru[h] = chosen
@@ -268,12 +275,12 @@ class PrefixPolicy:
         self._counts[chosen][reason] += 1
         return chosen
 
-    def _capacity(self) -> int:
+    def _capacity(self, factor: float) -> int:
         """Most requests a replica may hold and still get one more (bounded load)."""
         total = 1
         for r in self._replicas:
             total += r.inflight
-        return math.ceil(self._load_factor * total / len(self._replicas))
+        return math.ceil(factor * total / len(self._replicas))
 
     def _fall_back(self, exclude: set[Replica] | None) -> Replica | None:
         chosen = self._fallback.choose(exclude)
