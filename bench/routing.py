@@ -78,7 +78,7 @@ class Procs:
 
     def start(self, name: str, argv: list[str],
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
+        log = open(self.log_dir / f"{name}.log", "ab")  # closed in stop()
         env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=log, start_new_session=True)

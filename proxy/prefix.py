@@ -276,11 +276,19 @@ class PrefixPolicy:
         return chosen
 
     def _capacity(self, factor: float) -> int:
-        """Most requests a replica may hold and still get one more (bounded load)."""
-        total = 1
+        """A replica holding this many requests or more is skipped (bounded load).
+
+        factor 1.0 (a prefix never seen): at most the mean in flight, rounded down, so
+        unshared traffic spreads about as evenly as least_load; else ceil((1 + epsilon)
+        x the mean counting this request), as in consistent hashing with bounded loads.
+        """
+        total = 0
         for r in self._replicas:
             total += r.inflight
-        return math.ceil(factor * total / len(self._replicas))
+        n = len(self._replicas)
+        if factor == 1.0:
+            return total // n + 1
+        return math.ceil(factor * (total + 1) / n)
 
     def _fall_back(self, exclude: set[Replica] | None) -> Replica | None:
         chosen = self._fallback.choose(exclude)

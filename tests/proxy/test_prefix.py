@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import aiohttp
+import msgspec
 import pytest
 
 from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
@@ -247,7 +248,7 @@ def test_with_the_lru_a_joining_replica_takes_only_new_prefixes() -> None:
 
 def test_bounded_load_spills_to_the_next_in_rendezvous_order() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
     body = bodies(1)[0]
     first = ready.choose(None, Req(body))
     assert first is not None
@@ -266,6 +267,38 @@ def test_bounded_load_spills_to_the_next_in_rendezvous_order() -> None:
     assert ready.choose(None, Req(body)) is first
     counts = ready.policy.routed  # type: ignore[attr-defined]
     assert counts[first.url][AFFINITY] >= 2 and counts[order[2].url][SPILL] == 1
+
+
+def rank(ready: ReadySet, body: bytes) -> list[object]:
+    """The rendezvous order for `body` (no LRU, idle replicas)."""
+    fresh = ReadySet()
+    assert ready.snapshot is not None
+    fresh.apply(msgspec.structs.replace(ready.snapshot, prefix_options=PrefixOptions(lru_size=0)))
+    order: list[object] = []
+    while len(order) < len(ready.replicas):
+        nxt = fresh.choose({r for r in fresh.replicas if r.url in order}, Req(body))
+        assert nxt is not None
+        order.append(nxt.url)
+    return order
+
+
+def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_not_pinned_there() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    body = bodies(1, seed=11)[0]
+    order = rank(ready, body)
+    by_url = {r.url: r for r in ready.replicas}
+    top, second = by_url[order[0]], by_url[order[1]]  # type: ignore[index]
+    top.inflight, second.inflight = 2, 1  # total 3, mean 0.75: top is above it
+    chosen = ready.choose(None, Req(body))
+    assert chosen is not None and chosen.url == order[2]  # the first at or below the mean
+    assert ready.policy.routed[chosen.url][SPILL] == 1  # type: ignore[attr-defined]
+    # Not pinned where it spilled: with the top free again, the next one goes there.
+    top.inflight = second.inflight = 0
+    assert ready.choose(None, Req(body)) is top
+    # Now known (pinned to the top): it may load the top up to (1 + epsilon) x the mean.
+    top.inflight = 2
+    assert ready.choose(None, Req(body)) is top
 
 
 def test_no_key_uses_the_fallback_least_load() -> None:
@@ -304,8 +337,8 @@ def test_next_turn_follows_the_longest_known_prefix() -> None:
 
 def test_options_come_from_the_snapshot_unless_overridden() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=2.0)))
-    assert ready.policy.options.epsilon == 2.0  # type: ignore[attr-defined]
+    ready.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=3.0)))
+    assert ready.policy.options.epsilon == 3.0  # type: ignore[attr-defined]
     ready.apply(snapshot(2, *URLS[:2]))
     assert ready.policy.options == PrefixOptions()  # type: ignore[attr-defined]
     pinned = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(epsilon=0.1))
