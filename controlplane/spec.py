@@ -232,7 +232,7 @@ class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """`service.sluice`: options only sluice reads (a Sky Serve YAML has none)."""
 
-    prefix: PrefixRouting = msgspec.field(default_factory=PrefixRouting)
+    prefix: PrefixRouting | None = None
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -261,6 +261,11 @@ class ServiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(
                 f"load_balancing_policy: unknown policy {policy!r}; "
                 f"expected one of {', '.join(LOAD_BALANCING_POLICIES)}"
+            )
+        if self.sluice is not None and self.sluice.prefix is not None and policy != "prefix":
+            raise ValueError(
+                "sluice.prefix: options of the prefix policy; set load_balancing_policy: "
+                f"prefix (got {policy})"
             )
         # Sky Serve's rule, both ways: a map needs the instance-aware policy,
         # and that policy needs a map (a number or no target is an error).
@@ -383,8 +388,9 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """The prefix policy's options for the snapshot; None with another policy."""
         if self.service.load_balancing_policy != "prefix":
             return None
-        sluice = self.service.sluice or SluiceSection()
-        return PrefixOptions(**msgspec.structs.asdict(sluice.prefix))
+        sluice = self.service.sluice
+        given = sluice.prefix if sluice is not None else None
+        return PrefixOptions(**msgspec.structs.asdict(given or PrefixRouting()))
 
     @property
     def min_replicas(self) -> int:
