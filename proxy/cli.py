@@ -167,7 +167,7 @@ def supervise_workers(n: int, argv: list[str]) -> int:
               help="Per-accelerator capacity for instance_aware_least_load (repeatable).")
 @click.option("--prefix-epsilon", type=click.FloatRange(0, min_open=True), default=None,
               help="prefix policy: bounded load; a replica holding more than (1 + E) x the "
-                   "mean in flight is skipped for the next in rendezvous order. [default: 2]")
+                   "mean in flight is skipped for the next in rendezvous order. [default: 1]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",
               help="prefix policy: header whose value is the routing key ('' : none). "
                    "[default: X-Session-Id]")

@@ -44,7 +44,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     prefix_bytes: int = 16384
     session_header: str = "X-Session-Id"
     user_field: bool = False
-    epsilon: float = 2.0
+    epsilon: float = 1.0
     lru_size: int = 16384
 
     def __post_init__(self) -> None:

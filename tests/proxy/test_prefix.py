@@ -297,8 +297,13 @@ def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_not_pinned_ther
     top.inflight = second.inflight = 0
     assert ready.choose(None, Req(body)) is top
     # Now known (pinned to the top): it may load the top up to (1 + epsilon) x the mean.
-    top.inflight = 2
+    for r in ready.replicas:
+        r.inflight = 1
+    top.inflight = 2  # total 5: above the mean, within ceil(2 x 6 / 4) = 3
     assert ready.choose(None, Req(body)) is top
+    # An unseen prefix with the same first choice does not get it (above the mean).
+    unseen = next(b for b in bodies(40, seed=12) if rank(ready, b)[0] == top.url)
+    assert ready.choose(None, Req(unseen)) is not top
 
 
 def test_no_key_uses_the_fallback_least_load() -> None:
