@@ -283,8 +283,9 @@ class Client:
             error = "no usage"
         if record:
             details = usage.get("prompt_tokens_details") or {}
+            k = TIME_SCALE[0]
             self.results.append(Result(
-                sent_at=start - t0, ttft=ttft, e2e=e2e,
+                sent_at=(start - t0) / k, ttft=ttft / k, e2e=e2e / k,
                 prompt_tokens=int(usage.get("prompt_tokens") or 0),  # type: ignore[call-overload]
                 cached=int(details.get("cached_tokens") or 0),  # type: ignore[union-attr]
                 replica=replica, error=error))
@@ -295,8 +296,9 @@ async def open_loop(client: Client, schedule: list[tuple[float, bytes]], warmup:
     """Send each body at its time (open loop: never waits for earlier answers)."""
     t0 = time.monotonic()
     tasks = []
+    k = TIME_SCALE[0]
     for at, body in schedule:
-        delay = t0 + at - time.monotonic()
+        delay = t0 + at * k - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(client.send(body, t0, record=at >= warmup)))
@@ -353,19 +355,23 @@ async def run_multiturn(client: Client, args: argparse.Namespace) -> None:
 
     async def session(at: float, system: str, questions: list[str], thinks: list[float],
                       out: list[int]) -> None:
-        await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+        k = TIME_SCALE[0]
+        await asyncio.sleep(max(0.0, t0 + at * k - time.monotonic()))
         messages = [{"role": "system", "content": system}]
         for question, think, max_tokens in zip(questions, thinks, out, strict=True):
-            if time.monotonic() - t0 > args.duration:
+            if time.monotonic() - t0 > args.duration * k:
                 return
             messages.append({"role": "user", "content": question})
-            sent = time.monotonic() - t0
+            sent = (time.monotonic() - t0) / k
             answer = await client.send(chat_body(messages, max_tokens), t0,
                                        record=sent >= args.warmup)
             messages.append({"role": "assistant", "content": answer})
-            await asyncio.sleep(think)
+            await asyncio.sleep(think * k)
 
     await asyncio.gather(*(session(*plan) for plan in plans))
+
+
+TIME_SCALE = [1.0]  # --time-scale: wall seconds per modelled second
 
 
 RUNNERS = {"shared": run_shared, "multiturn": run_multiturn, "nosharing": run_nosharing}
@@ -450,12 +456,18 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--sluice-args", default="",
                     help="extra sluice-proxy flags, e.g. '--prefix-epsilon 1'")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="run modelled time K times slower (engine costs and think times x K, "
+                         "rates / K; results reported in modelled seconds): on a busy machine, "
+                         "K = 2 halves the CPU the fleet and the client need per second")
     ap.add_argument("--json", help="also write every summary here")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
     SLUICE_ARGS.extend(shlex.split(args.sluice_args))
     if args.rate is not None:
         args.rate_shared = args.rate_multiturn = args.rate_nosharing = args.rate
+    k = args.time_scale
+    TIME_SCALE[0] = k
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for t in targets:
@@ -485,6 +497,9 @@ def main() -> int:
         fleet = procs.start("fleet", [sys.executable, str(BENCH / "llm_replica.py"),
                                       "--ports", ",".join(map(str, ports)),
                                       "--cache-tokens", str(args.cache_tokens),
+                                      "--step-base", str(0.010 * k),
+                                      "--prefill-cost", str(0.00025 * k),
+                                      "--decode-cost", str(0.0004 * k),
                                       "--ready-file", str(ready)])
         for port in ports:
             wait_up(fleet, port, "/health", 20)
@@ -515,7 +530,8 @@ def main() -> int:
     print()
     print(f"{args.replicas} replicas, {args.cache_tokens} cached tokens each; "
           f"{args.duration:.0f} s of arrivals per run ({args.warmup:.0f} s warm-up not "
-          f"recorded), seed {args.seed}; load average at start {load:.2f}")
+          f"recorded), seed {args.seed}, time scale {k:g}; load average at start {load:.2f}, "
+          f"at the end {os.getloadavg()[0]:.2f}")
     for workload in workloads:
         rate = getattr(args, f"rate_{workload}")
         print(f"\n### {workload} ({rate:g} req/s)\n")
