@@ -23,7 +23,12 @@ learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
 - **Bounded load**: walking that order, a replica already holding
   ceil((1 + epsilon) x (in flight + 1) / replicas) requests is skipped
   (consistent hashing with bounded loads); hot prefixes spill to their second
-  choice. No candidate left: the fallback policy (`least_load`).
+  choice, and keep spilling to where they spilled before while it has room
+  (so a hot prefix is cached on two replicas, not on all). A prefix this
+  proxy never routed may not take a replica above the mean in flight, and is
+  not remembered where it spilled: unshared traffic spreads like
+  `least_load`, and the next request of a new prefix tries the agreed first
+  choice again. No candidate left: the fallback policy (`least_load`).
 - **Longest prefix**: a per-proxy LRU maps the chain hashes of blocks 2.. to
   the replica that first received them, so a conversation's next turn (or a
   long shared prompt) follows its longest known prefix. The first writer
@@ -180,6 +185,8 @@ class PrefixPolicy:
         self._seeds: list[hashlib.blake2b] = []
         self._orders: list[tuple[Replica, ...] | None] = []
         self._lru: OrderedDict[int, Replica] = OrderedDict()
+        # Known prefix (its deepest known block) -> where it last spilled.
+        self._spilled: OrderedDict[int, Replica] = OrderedDict()
         # replica URL -> [affinity, spill, fallback]; kept across snapshots.
         self.routed: dict[str, list[int]] = {}
         self._counts: dict[Replica, list[int]] = {}
@@ -228,6 +235,7 @@ class PrefixPolicy:
         factor = self._load_factor if depth == 1 else 1.0
         lru = self._lru
         hit: Replica | None = None
+        full: int | None = None  # the known block whose replica was over the bound
         if depth > 1 and self._lru_size:
             for d in range(depth - 1, 0, -1):
                 hit = lru.get(key[d])
@@ -241,9 +249,18 @@ class PrefixPolicy:
                         capacity = self._capacity(factor)
                         if hit.inflight >= capacity:
                             hit = None
+                            full = key[d]
                     break
         chosen = hit
         reason = AFFINITY
+        if full is not None:
+            # Spill where this prefix spilled before (it is cached there too), so a hot
+            # prefix occupies two replicas' caches, not every replica's.
+            alt = self._spilled.get(full)
+            if (alt is not None and alt.left_at is None and alt.inflight < capacity
+                    and (exclude is None or alt not in exclude)):
+                chosen = alt
+                reason = SPILL
         if chosen is None:
             for r in self.order_for(key[0] & (SLOTS - 1)):
                 if exclude is not None and r in exclude:
@@ -258,6 +275,12 @@ class PrefixPolicy:
                 break
             if chosen is None:
                 return self._fall_back(exclude)
+            if full is not None:
+                spilled = self._spilled
+                spilled[full] = chosen
+                spilled.move_to_end(full)
+                if len(spilled) > self._lru_size // 4 + 1:
+                    spilled.popitem(last=False)
             if depth > 1 and self._lru_size and (reason == AFFINITY or factor != 1.0):
                 # Remember where the blocks went (first writer wins); a prefix never seen
                 # that spilled is not pinned to where it spilled, so the next one tries

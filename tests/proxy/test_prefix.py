@@ -441,3 +441,19 @@ async def test_end_to_end_body_arriving_after_the_head_is_routed_on(
         # A GET on the same connection still works (no body to wait for).
         conn.send(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await conn.response()).status == 200
+
+
+def test_a_known_prefix_spills_where_it_spilled_before() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    body = bodies(1, seed=21)[0]
+    by_url = {r.url: r for r in ready.replicas}
+    a, b, c, d = (by_url[u] for u in rank(ready, body))  # type: ignore[index]
+    assert ready.choose(None, Req(body)) is a  # pinned to the first choice
+    a.inflight, b.inflight = 9, 9  # total 18: capacity ceil(1.5 x 19 / 4) = 8
+    assert ready.choose(None, Req(body)) is c  # walks the order past two full replicas
+    b.inflight = 0  # the second choice has room again, but the prefix is cached on c
+    assert ready.choose(None, Req(body)) is c
+    c.inflight = 9  # c full too: walk again (b), and remember b
+    assert ready.choose(None, Req(body)) is b
+    assert d.inflight == 0
