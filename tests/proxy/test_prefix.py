@@ -457,3 +457,18 @@ def test_a_known_prefix_spills_where_it_spilled_before() -> None:
     c.inflight = 9  # c full too: walk again (b), and remember b
     assert ready.choose(None, Req(body)) is b
     assert d.inflight == 0
+
+
+def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
+    from click.testing import CliRunner
+
+    from proxy.cli import _prefix_options, proxy_command
+
+    assert _prefix_options({"prefix_epsilon": None}) is None  # none given: the snapshot's
+    assert _prefix_options({"prefix_epsilon": 0.5, "prefix_session_header": ""}) == \
+        PrefixOptions(epsilon=0.5, session_header="")
+    result = CliRunner().invoke(proxy_command, [
+        "--replicas", "http://127.0.0.1:1", "--policy", "prefix",
+        "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])
+    assert result.exit_code == 2
+    assert "block_bytes" in result.output and "prefix_bytes" in result.output
