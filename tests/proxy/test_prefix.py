@@ -472,3 +472,32 @@ def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
         "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])
     assert result.exit_code == 2
     assert "block_bytes" in result.output and "prefix_bytes" in result.output
+
+
+async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    """The proxy does not hold a request forever for its routing bytes: after 1 s it
+    routes on what arrived, and the rest of the body streams on."""
+    from proxy.server import _ROUTE_WAIT
+
+    reps = await replica_factory.astart(2, ids=["a", "b"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", replicas=reps)
+    body = chat(LONG * 4, "q")
+    port = int(proxy.url.rsplit(":", 1)[1])
+    async with connect(port) as conn:
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                  + body[:300])
+        # Poll the replicas until the request reached one (routed before the body ended).
+        from tests.proxy.harness import replica_stats, until
+
+        async def arrived() -> bool:
+            return any([(await replica_stats(r))["in_flight"] for r in reps])
+
+        started = asyncio.get_running_loop().time()
+        await until(arrived, timeout=10, what="the request routed on a partial body")
+        assert asyncio.get_running_loop().time() - started >= _ROUTE_WAIT * 0.5
+        conn.send(body[300:])
+        resp = await conn.response()
+        assert resp.status == 200
+        assert json.loads(resp.body)["body_length"] == len(body)
