@@ -460,7 +460,8 @@ class Exchange:
 
     def route_now(self) -> None:
         self.awaiting_body = False
-        self.pick()
+        if self.state == NEW:  # not answered meanwhile (413, client gone)
+            self.pick()
 
     def pick(self) -> None:
         ready_set = self.ctx.ready_set

@@ -20,7 +20,7 @@ from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_ch
 from proxy.readyset import ReadySet
 from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
-from tests.proxy.harness import BASE_ARGS, metric, scrape
+from tests.proxy.harness import BASE_ARGS, metric, replica_stats, scrape
 from tests.proxy.rawhttp import connect
 
 OPTS = PrefixOptions()
@@ -501,3 +501,23 @@ async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
         resp = await conn.response()
         assert resp.status == 200
         assert json.loads(resp.body)["body_length"] == len(body)
+
+
+async def test_a_body_over_max_body_while_held_for_routing_is_refused_once(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    """413 while the body is held for routing: answered once, nothing sent upstream."""
+    reps = await replica_factory.astart(2, ids=["a", "b"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", "--max-body", "1500",
+                                       replicas=reps)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    async with connect(port) as conn:
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"7d0\r\n" + b"m" * 2000 + b"\r\n")
+        resp = await conn.response()
+        assert resp.status == 413
+        assert await conn.closed_by_peer(5.0)
+    stats = [await replica_stats(r) for r in reps]
+    assert sum(s["total"] for s in stats) == 0
+    async with aiohttp.ClientSession() as s:  # the proxy still serves
+        assert await _post(s, proxy.url, chat(LONG, "q")) in {"a", "b"}
