@@ -1,6 +1,6 @@
 """A built-in HTTP/1.1 load generator, used by the benchmarks when wrk is not installed.
 
-N keep-alive connections, each sending one GET at a time for D seconds; raw
+N keep-alive connections, each sending one GET (or POST, --body-file) at a time for D seconds; raw
 asyncio protocols on uvloop with httptools parsing, so one process reaches a
 few tens of thousands of requests/s (wrk is several times faster: prefer it).
 Prints one JSON object: requests, errors, non_2xx, seconds, rps, p50_ms, p99_ms.
@@ -31,8 +31,9 @@ class Stats:
 class Connection(asyncio.Protocol):
     """One keep-alive connection: send, wait for the whole response, repeat until `until`."""
 
-    def __init__(self, request: bytes, until: float, stats: Stats) -> None:
-        self.request = request
+    def __init__(self, requests: list[bytes], until: float, stats: Stats, first: int = 0) -> None:
+        self.requests = requests
+        self.next = first % len(requests)
         self.until = until
         self.stats = stats
         self.parser = httptools.HttpResponseParser(self)
@@ -48,7 +49,9 @@ class Connection(asyncio.Protocol):
     def send(self) -> None:
         assert self.transport is not None
         self.sent_at = time.perf_counter()
-        self.transport.write(self.request)
+        i = self.next
+        self.next = i + 1 if i + 1 < len(self.requests) else 0
+        self.transport.write(self.requests[i])
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -87,20 +90,26 @@ class Connection(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def run(url: str, connections: int, duration: float) -> dict[str, float | int | None]:
+async def run(url: str, connections: int, duration: float,
+              bodies: list[bytes] | None = None) -> dict[str, float | int | None]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    request = f"GET {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
+    if bodies:
+        requests = [f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(b)}\r\n\r\n"
+                    .encode() + b for b in bodies]
+    else:
+        requests = [f"GET {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()]
     stats = Stats()
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
     until = start + duration
     conns: list[Connection] = []
-    for _ in range(connections):
+    for i in range(connections):
         try:
             _, proto = await loop.create_connection(
-                lambda: Connection(request, until, stats), host, port
+                lambda i=i: Connection(requests, until, stats, i), host, port  # type: ignore[misc]
             )
             conns.append(proto)
         except OSError:
@@ -132,9 +141,15 @@ def main() -> None:
     p.add_argument("url")
     p.add_argument("-c", "--connections", type=int, default=64)
     p.add_argument("-d", "--duration", type=float, default=5.0)
+    p.add_argument("--body-file", help="POST instead of GET: a JSON list of bodies (strings), "
+                   "sent in turn on each connection")
     args = p.parse_args()
+    bodies = None
+    if args.body_file:
+        with open(args.body_file) as f:
+            bodies = [b.encode() for b in json.load(f)]
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        result = runner.run(run(args.url, args.connections, args.duration))
+        result = runner.run(run(args.url, args.connections, args.duration, bodies))
     print(json.dumps(result))
 
 

@@ -198,7 +198,11 @@ def start_target(
     if name == "direct":
         raise AssertionError("direct is not started")
     if name.startswith("sluice-w"):
-        workers = int(name.removeprefix("sluice-w"))
+        # "sluice-w1@prefix": one worker, --policy prefix (compare policies in one run).
+        base, _, policy = name.partition("@")
+        workers = int(base.removeprefix("sluice-w"))
+        if policy:
+            sluice_args = [*sluice_args, "--policy", policy]
         admin = free_port(workers)  # worker i serves admin on admin + i
         argv = [sys.executable, "-m", "proxy.cli", "--replicas", ",".join(replica_urls),
                 "--host", HOST, "--port", str(port), "--admin-port", str(admin),
@@ -256,9 +260,22 @@ def parse_wrk(out: str) -> dict[str, Any]:
     }
 
 
+def chat_bodies(n: int = 16) -> list[str]:
+    """Chat-shaped POST bodies (~2 KB): 4 system prompts x 4 questions."""
+    systems = [f"You are assistant {i} of the support team. " + "Answer briefly and cite the "
+               "relevant policy section by number. " * 24 for i in range(4)]
+    return [json.dumps({"model": "m", "stream": True, "max_tokens": 64, "messages": [
+        {"role": "system", "content": systems[i % 4]},
+        {"role": "user", "content": f"Question {i}: how do I return an order? " * 3}]})
+            for i in range(n)]
+
+
 def run_load(
-    loadgen: str, url: str, connections: int, threads: int, duration: float
+    loadgen: str, url: str, connections: int, threads: int, duration: float,
+    body_file: Path | None = None,
 ) -> dict[str, Any]:
+    if loadgen == "wrk" and body_file is not None:
+        raise RuntimeError("--request chat needs the built-in load generator (--loadgen builtin)")
     if loadgen == "wrk":
         seconds = max(1, round(duration))  # wrk takes whole seconds
         argv = ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency",
@@ -269,6 +286,8 @@ def run_load(
         return parse_wrk(out.stdout)
     argv = [sys.executable, str(BENCH / "loadgen.py"), url, "-c", str(connections),
             "-d", str(duration)]  # fmt: skip
+    if body_file is not None:
+        argv += ["--body-file", str(body_file)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30, check=True)
     result: dict[str, Any] = json.loads(out.stdout)
     return result
@@ -385,15 +404,24 @@ def main() -> int:
     p.add_argument("--ttfb-samples", type=int, default=50)
     p.add_argument("--ttfb-delay", type=float, default=0.02, help="s between the 2 SSE events")
     p.add_argument("--sluice-args", default="", help="extra sluice-proxy args (shell-quoted)")
+    p.add_argument("--request", choices=("get", "chat"), default="get",
+                   help="get: 'GET /fast'; chat: a ~2 KB chat-completions-shaped POST /fast "
+                        "(16 bodies in turn; needs the built-in load generator)")
     p.add_argument("--json", dest="json_path", help="write all results here")
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs directory")
     args = p.parse_args()
     loadgen = args.loadgen
     if loadgen == "auto":
-        loadgen = "wrk" if shutil.which("wrk") else "builtin"
+        loadgen = "wrk" if shutil.which("wrk") and args.request == "get" else "builtin"
+    body_file: Path | None = None
+    if args.request == "chat":
+        fd, name = tempfile.mkstemp(prefix="sluice-bench-bodies-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(chat_bodies(), f)
+        body_file = Path(name)
 
     def run(url: str, duration: float = args.duration) -> dict[str, Any]:
-        return run_load(loadgen, url, args.connections, args.threads, duration)
+        return run_load(loadgen, url, args.connections, args.threads, duration, body_file)
 
     # SIGINT and SIGTERM unwind (even if SIGINT was ignored by whoever started us), so the
     # finally below stops every process.
@@ -476,6 +504,8 @@ def main() -> int:
         raise
     finally:
         procs.stop_all()
+        if body_file is not None:
+            body_file.unlink()
         if failed or args.keep_logs:
             print(f"# process logs kept in {log_dir}", file=sys.stderr)
         else:

@@ -21,7 +21,7 @@ from typing import Annotated
 import msgspec
 
 from proxy.errors import SluiceError
-from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
 #: Sky Serve's rule (sky/serve/constants.py SERVICE_NAME_VALID_REGEX), bounded like a DNS
 #: label: a name is used in Redis keys and state-dir paths, so `/`, `.` and `:` never are.
@@ -117,6 +117,7 @@ class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
     active_versions: tuple[int, ...] = ()
     update_mode: UpdateMode = UpdateMode.ROLLING
     policy: str = "least_load"  # the load-balancing policy proxies use
+    prefix_options: PrefixOptions | None = None  # the `prefix` policy's (spec service.sluice)
     endpoint: str | None = None  # where clients reach the service (the proxy's URL)
     created_at: float = 0.0
     # version -> min_replicas of that version's spec; blue_green switches to a version only
@@ -301,6 +302,7 @@ def compute_snapshot(
         published_at=now,
         status=record.status.value,
         policy=record.policy,
+        prefix_options=record.prefix_options,
         active_versions=list(active),
         replicas=tuple(
             ReadyReplica(
@@ -326,6 +328,7 @@ def same_ready_set(a: ReadySnapshot, b: ReadySnapshot) -> bool:
         a.service == b.service
         and a.status == b.status
         and a.policy == b.policy
+        and a.prefix_options == b.prefix_options
         and a.active_versions == b.active_versions
         and a.replicas == b.replicas
     )

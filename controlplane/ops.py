@@ -132,6 +132,7 @@ async def up(
         version=1,
         update_mode=UpdateMode.ROLLING,
         policy=spec.service.load_balancing_policy,
+        prefix_options=spec.prefix_options,
         endpoint=endpoint,
         min_replicas={1: spec.min_replicas},
     )
@@ -170,6 +171,7 @@ async def update(
             version=new_version,
             update_mode=mode if mode is not None else current.update_mode,
             policy=spec.service.load_balancing_policy,
+            prefix_options=spec.prefix_options,
             min_replicas={**current.min_replicas, new_version: spec.min_replicas},
         )
         return Mutation(service_record=record, specs={new_version: payload})

@@ -28,8 +28,10 @@ Deliberate differences from Sky Serve: `target_qps_per_replica` must be > 0
 (0 makes the autoscaler divide by zero); per-accelerator keys may hold hyphens
 ("A100-80GB:1"); multi-port `resources.ports` without `service.ports` is an
 error but no port at all is fine (the local backend picks one and sets PORT);
-`p2c` is an extra policy and `target_ongoing_requests` an extra autoscaling
-signal (concurrency, fed by the proxies).
+`p2c` and `prefix` are extra policies, `target_ongoing_requests` an extra
+autoscaling signal (concurrency, fed by the proxies), and `service.sluice`
+holds sluice-only options (`service.sluice.prefix`: the prefix policy's); a
+Sky Serve YAML never has it, and it is optional.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from proxy.snapshot import PrefixOptions
+
 # Sky Serve's defaults (sky/serve/constants.py and the replica manager).
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_INITIAL_DELAY_SECONDS = 1200.0
@@ -59,7 +63,8 @@ DEFAULT_LOAD_BALANCING_POLICY = "least_load"
 
 # The proxy's policy names (proxy/policies.py); controlplane imports only the
 # wire contract from proxy, and a test keeps the two lists equal.
-LOAD_BALANCING_POLICIES = ("least_load", "round_robin", "instance_aware_least_load", "p2c")
+LOAD_BALANCING_POLICIES = ("least_load", "round_robin", "instance_aware_least_load", "p2c",
+                           "prefix")
 INSTANCE_AWARE = "instance_aware_least_load"
 
 # Service fields whose change never needs a new replica process: they steer
@@ -73,6 +78,7 @@ RELABEL_SAFE_SERVICE_FIELDS = frozenset(
         "load_balancing_policy",
         "load_balancer",
         "tls",
+        "sluice",
     }
 )
 
@@ -207,6 +213,28 @@ class LoadBalancer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stream_timeout_seconds: PosFloat = DEFAULT_STREAM_TIMEOUT_SECONDS
 
 
+class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`service.sluice.prefix`: options of the `prefix` policy (proxy/snapshot.py PrefixOptions)."""
+
+    block_bytes: Annotated[int, Meta(ge=16, le=65536)] = 256
+    prefix_bytes: Annotated[int, Meta(ge=16, le=1 << 20)] = 16384
+    session_header: Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")] = "X-Session-Id"
+    user_field: bool = False
+    epsilon: PosFloat = 1.0
+    lru_size: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
+
+    def __post_init__(self) -> None:
+        if self.block_bytes > self.prefix_bytes:
+            raise ValueError(f"block_bytes: must be <= prefix_bytes ({self.prefix_bytes}), "
+                             f"got {self.block_bytes}")
+
+
+class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`service.sluice`: options only sluice reads (a Sky Serve YAML has none)."""
+
+    prefix: PrefixRouting | None = None
+
+
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     keyfile: str
     certfile: str
@@ -221,6 +249,7 @@ class ServiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     load_balancer: LoadBalancer = msgspec.field(default_factory=LoadBalancer)
     ports: Port | None = None
     tls: Tls | None = None
+    sluice: SluiceSection | None = None
 
     def __post_init__(self) -> None:
         if self.replicas is not None and self.replica_policy is not None:
@@ -232,6 +261,11 @@ class ServiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(
                 f"load_balancing_policy: unknown policy {policy!r}; "
                 f"expected one of {', '.join(LOAD_BALANCING_POLICIES)}"
+            )
+        if self.sluice is not None and self.sluice.prefix is not None and policy != "prefix":
+            raise ValueError(
+                "sluice.prefix: options of the prefix policy; set load_balancing_policy: "
+                f"prefix (got {policy})"
             )
         # Sky Serve's rule, both ways: a map needs the instance-aware policy,
         # and that policy needs a map (a number or no target is an error).
@@ -349,6 +383,15 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             )
 
     # Shortcuts the controller and the prober read.
+    @property
+    def prefix_options(self) -> PrefixOptions | None:
+        """The prefix policy's options for the snapshot; None with another policy."""
+        if self.service.load_balancing_policy != "prefix":
+            return None
+        sluice = self.service.sluice
+        given = sluice.prefix if sluice is not None else None
+        return PrefixOptions(**msgspec.structs.asdict(given or PrefixRouting()))
+
     @property
     def min_replicas(self) -> int:
         return self.service.scaling.min_replicas

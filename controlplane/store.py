@@ -971,6 +971,7 @@ class _Routing(msgspec.Struct):
     policy: str = ""
     active_versions: list[int] = []
     replicas: msgspec.Raw = msgspec.Raw(b"[]")
+    prefix_options: dict[str, Any] | None = None
 
 
 _ROUTING_DECODER = msgspec.json.Decoder(_Routing)
@@ -991,11 +992,12 @@ def _same_ready_set(
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None  # corrupt: this commit replaces it
     new = _ROUTING_DECODER.decode(payload)
-    if (old.service, old.status, old.policy, old.active_versions) != (
+    if (old.service, old.status, old.policy, old.active_versions, old.prefix_options) != (
         new.service,
         new.status,
         new.policy,
         new.active_versions,
+        new.prefix_options,
     ) or bytes(old.replicas) != bytes(new.replicas):
         return None
     return msgspec.structs.replace(

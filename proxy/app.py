@@ -71,6 +71,7 @@ class ProxyApp:
         self.ready_set = ReadySet(
             policy_override=config.policy,
             target_qps=config.target_qps,
+            prefix_options=config.prefix_options,
             pool_factory=self._make_pool,
             pool_grace=config.pool_grace,
         )

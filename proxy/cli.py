@@ -24,6 +24,7 @@ from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
+from proxy.snapshot import PrefixOptions
 from proxy.supervisor import Supervisor
 
 log = logging.getLogger("sluice.proxy")
@@ -63,6 +64,28 @@ def _exit_now(seconds: float) -> None:
     os.write(2, b"sluice-proxy: shutdown still not finished %.1fs after the signal; "
                 b"exiting now\n" % seconds)
     os._exit(1)
+
+
+_PREFIX_FLAGS = {
+    "prefix_block_bytes": "block_bytes",
+    "prefix_bytes": "prefix_bytes",
+    "prefix_session_header": "session_header",
+    "prefix_user_field": "user_field",
+    "prefix_epsilon": "epsilon",
+    "prefix_lru_size": "lru_size",
+}
+
+
+def _prefix_options(opts: dict[str, object]) -> PrefixOptions | None:
+    """The --prefix-* flags given, over the defaults; None when none is given."""
+    given = {field: opts[flag] for flag, field in _PREFIX_FLAGS.items()
+             if opts.get(flag) is not None}
+    if not given:
+        return None
+    try:
+        return PrefixOptions(**given)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--prefix-*") from exc
 
 
 def run_proxy(config: ProxyConfig) -> None:
@@ -154,6 +177,21 @@ class _ProxyCommand(click.Command):
               help="Load-balancing policy; default: the snapshot's (least_load).")
 @click.option("--target-qps", multiple=True, metavar="ACCEL=QPS",
               help="Per-accelerator capacity for instance_aware_least_load (repeatable).")
+@click.option("--prefix-epsilon", type=click.FloatRange(0, min_open=True), default=None,
+              help="prefix policy: bounded load; a replica holding more than (1 + E) x the "
+                   "mean in flight is skipped for the next in rendezvous order. [default: 1]")
+@click.option("--prefix-session-header", default=None, metavar="NAME",
+              help="prefix policy: header whose value is the routing key ('' : none). "
+                   "[default: X-Session-Id]")
+@click.option("--prefix-user-field/--no-prefix-user-field", default=None,
+              help="prefix policy: route on the JSON body's \"user\" field when present. "
+                   "[default: off]")
+@click.option("--prefix-block-bytes", type=click.IntRange(16), default=None,
+              help="prefix policy: block size of the prompt's hash chain. [default: 256]")
+@click.option("--prefix-bytes", type=click.IntRange(16, 1 << 20), default=None,
+              help="prefix policy: request body bytes read before routing. [default: 16384]")
+@click.option("--prefix-lru-size", type=click.IntRange(0), default=None,
+              help="prefix policy: entries of the longest-prefix memory. [default: 16384]")
 @click.option("--pool-size", type=click.IntRange(1), default=256, show_default=True,
               help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=30.0, show_default=True,
@@ -220,6 +258,7 @@ def proxy_command(**opts: object) -> None:
         sync_relay=opts["sync_relay"],  # type: ignore[arg-type]
         policy=opts["policy"],  # type: ignore[arg-type]
         target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
+        prefix_options=_prefix_options(opts),
         pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
         pool_grace=float(opts["pool_grace"]),  # type: ignore[arg-type]
         retry_deadline=float(opts["retry_deadline"]),  # type: ignore[arg-type]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proxy.snapshot import PrefixOptions
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProxyConfig:
@@ -27,6 +29,7 @@ class ProxyConfig:
     # Routing.
     policy: str | None = None  # None: the snapshot's policy (least_load by default)
     target_qps: dict[str, float] = field(default_factory=dict)
+    prefix_options: PrefixOptions | None = None  # None: the snapshot's (or the defaults)
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

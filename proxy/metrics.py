@@ -14,6 +14,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from proxy.prefix import REASONS
 from proxy.stats import BUCKETS, Histogram
 
 if TYPE_CHECKING:
@@ -67,6 +68,17 @@ class ProxyCollector:
             pool_size.add_metric([url], replica.pool.size if replica.pool else 0)
         yield inflight
         yield pool_size
+        routed = getattr(app.ready_set.policy, "routed", None)
+        if routed is not None:
+            family = CounterMetricFamily(
+                "sluice_routed", "Requests routed per replica by the prefix policy, by reason "
+                "(affinity: first choice or longest-prefix hit; spill: skipped a replica over "
+                "the load bound; fallback: no key, or nobody within the bound)",
+                labels=["replica", "reason", "worker"])
+            for url, counts in routed.items():
+                for reason, count in zip(REASONS, counts, strict=True):
+                    family.add_metric([url, reason, worker], count)
+            yield family
         yield GaugeMetricFamily("sluice_ready_replicas", "Replicas in the ready set",
                                 value=len(app.ready_set.replicas))
         snap = app.ready_set.snapshot

@@ -13,23 +13,30 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from proxy.errors import ConfigError
+from proxy.prefix import PrefixPolicy
+from proxy.snapshot import PrefixOptions
 
 if TYPE_CHECKING:
+    from proxy.prefix import Routable
     from proxy.readyset import Replica
 
 
 class Policy(Protocol):
     name: str
+    # Request body bytes to hold before choosing (0: choose at the request head).
+    body_prefix: int
 
     def update(self, replicas: Sequence[Replica]) -> None: ...
 
-    def choose(self, exclude: set[Replica] | None) -> Replica | None: ...
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None: ...
 
 
 class LeastLoad:
     """Fewest in-flight requests; ties broken by a rotating start index."""
 
     name = "least_load"
+    body_prefix = 0
 
     def __init__(self) -> None:
         self._replicas: Sequence[Replica] = ()
@@ -39,7 +46,8 @@ class LeastLoad:
         self._replicas = tuple(replicas)
         self._next = 0  # the rotation index must stay inside the new list
 
-    def choose(self, exclude: set[Replica] | None) -> Replica | None:
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None:
         replicas = self._replicas
         n = len(replicas)
         if n == 0:
@@ -66,6 +74,7 @@ class RoundRobin:
     """Cycle through the replicas; the order is reshuffled on every set change."""
 
     name = "round_robin"
+    body_prefix = 0
 
     def __init__(self) -> None:
         self._order: list[Replica] = []
@@ -77,7 +86,8 @@ class RoundRobin:
         self._order = order
         self._next = 0
 
-    def choose(self, exclude: set[Replica] | None) -> Replica | None:
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None:
         order = self._order
         n = len(order)
         for _ in range(n):
@@ -100,6 +110,7 @@ class InstanceAwareLeastLoad:
     """
 
     name = "instance_aware_least_load"
+    body_prefix = 0
 
     def __init__(self, target_qps: dict[str, float] | None = None) -> None:
         self._target_qps = dict(target_qps or {})
@@ -127,7 +138,8 @@ class InstanceAwareLeastLoad:
         self._weights = tuple(self.weight_of(r) for r in self._replicas)
         self._next = 0  # the rotation index must stay inside the new list
 
-    def choose(self, exclude: set[Replica] | None) -> Replica | None:
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None:
         replicas = self._replicas
         weights = self._weights
         n = len(replicas)
@@ -155,6 +167,7 @@ class PowerOfTwoChoices:
     """Pick two distinct replicas at random; take the one with fewer in flight."""
 
     name = "p2c"
+    body_prefix = 0
 
     def __init__(self) -> None:
         self._replicas: tuple[Replica, ...] = ()
@@ -163,7 +176,8 @@ class PowerOfTwoChoices:
     def update(self, replicas: Sequence[Replica]) -> None:
         self._replicas = tuple(replicas)
 
-    def choose(self, exclude: set[Replica] | None) -> Replica | None:
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None:
         replicas = self._replicas
         if exclude:
             replicas = tuple(r for r in replicas if r not in exclude)
@@ -177,21 +191,26 @@ class PowerOfTwoChoices:
         return a if a.inflight <= b.inflight else b
 
 
-POLICIES: dict[str, type[LeastLoad | RoundRobin | InstanceAwareLeastLoad | PowerOfTwoChoices]] = {
+POLICIES: dict[str, type[LeastLoad | RoundRobin | InstanceAwareLeastLoad | PowerOfTwoChoices
+                         | PrefixPolicy]] = {
     "least_load": LeastLoad,
     "round_robin": RoundRobin,
     "instance_aware_least_load": InstanceAwareLeastLoad,
     "p2c": PowerOfTwoChoices,
+    "prefix": PrefixPolicy,
 }
 
 
-def make_policy(name: str, target_qps: dict[str, float] | None = None) -> Policy:
+def make_policy(name: str, target_qps: dict[str, float] | None = None,
+                prefix: PrefixOptions | None = None) -> Policy:
     """Build a policy by name; an unknown name is a ConfigError listing the valid ones."""
     match name:
         case "instance_aware_least_load":
             return InstanceAwareLeastLoad(target_qps)
-        case _ if name in POLICIES:
-            return POLICIES[name]()
+        case "prefix":
+            return PrefixPolicy(prefix, fallback=LeastLoad())
+        case "least_load" | "round_robin" | "p2c":
+            return POLICIES[name]()  # type: ignore[call-arg]
         case _:
             valid = ", ".join(sorted(POLICIES))
             raise ConfigError(f"unknown load balancing policy {name!r}; valid: {valid}")

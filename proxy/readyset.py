@@ -24,13 +24,16 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import quote, urlsplit
 
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.policies import Policy, make_policy
-from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from proxy.waiters import WaiterQueue
+
+if TYPE_CHECKING:
+    from proxy.prefix import Routable
 
 log = logging.getLogger("sluice.proxy")
 
@@ -146,19 +149,22 @@ class ReadySet:
         *,
         policy_override: str | None = None,
         target_qps: dict[str, float] | None = None,
+        prefix_options: PrefixOptions | None = None,
         pool_factory: Callable[[Replica], Pool] | None = None,
         pool_grace: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy_override = policy_override
         self._target_qps = target_qps
+        self._prefix_override = prefix_options
         self._pool_factory = pool_factory
         self._pool_grace = pool_grace
         self._clock = clock
         self.snapshot: ReadySnapshot | None = None
         self.replicas: tuple[Replica, ...] = ()
         self.known: dict[str, Replica] = {}
-        self.policy: Policy = make_policy(policy_override or "least_load", target_qps)
+        self.policy: Policy = make_policy(policy_override or "least_load", target_qps,
+                                          prefix_options)
         self.applied_at = 0.0  # wall clock of the last apply
         # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).
         self._waiters: WaiterQueue[Callable[[], None]] = WaiterQueue()
@@ -204,9 +210,11 @@ class ReadySet:
                 replica.left_at = now
         policy = self.policy
         wanted = self._policy_override or snapshot.policy
-        if wanted != policy.name:
+        prefix = self._prefix_override or snapshot.prefix_options or PrefixOptions()
+        if wanted != policy.name or (
+                wanted == "prefix" and getattr(policy, "options", None) != prefix):
             try:
-                policy = make_policy(wanted, self._target_qps)
+                policy = make_policy(wanted, self._target_qps, prefix)
             except ConfigError:
                 log.warning("snapshot %d names unknown policy %r; keeping %s",
                             snapshot.generation, wanted, policy.name)
@@ -222,8 +230,9 @@ class ReadySet:
                 wake()
         return True
 
-    def choose(self, exclude: set[Replica] | None = None) -> Replica | None:
-        return self.policy.choose(exclude)
+    def choose(self, exclude: set[Replica] | None = None,
+               request: Routable | None = None) -> Replica | None:
+        return self.policy.choose(exclude, request)
 
     def add_waiter(self, wake: Callable[[], None]) -> None:
         self._waiters.append(wake)

@@ -58,6 +58,7 @@ _BODY_BUFFER_HIGH = 256 * 1024
 # Bytes a Host value (uri-host [":" port], RFC 3986) may hold: deleting these must leave b"".
 _HOST_BYTES = (b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
                b"-._~!$&'()*+;=:[]%")
+_ROUTE_WAIT = 1.0  # longest a request waits for the body bytes its policy routes on
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 
 
@@ -323,7 +324,9 @@ class ClientConnection(asyncio.Protocol):
             keep_alive=parser.should_keep_alive(),
             chunked=bool(chunked),
             started=started,
+            has_body=length > 0 or bool(chunked),
         )
+        ex.req_headers = self.headers
         self.reading = ex
         if self.current is None:
             self.current = ex
@@ -419,6 +422,7 @@ class Exchange:
 
     __slots__ = (
         "attempts",
+        "awaiting_body",
         "body",
         "body_done",
         "body_len",
@@ -430,6 +434,7 @@ class Exchange:
         "deadline_at",
         "discard_body",
         "empty_until",
+        "has_body",
         "head_line",
         "head_tail",
         "heartbeat_at",
@@ -441,7 +446,9 @@ class Exchange:
         "progress",
         "progress_at",
         "replica",
+        "req_headers",
         "resp_chunked",
+        "route_key",
         "seen_progress",
         "sse_held",
         "stale_retry_used",
@@ -455,7 +462,8 @@ class Exchange:
     )
 
     def __init__(self, client: ClientConnection, method: bytes, head_line: bytes,
-                 head_tail: bytes, *, keep_alive: bool, chunked: bool, started: float) -> None:
+                 head_tail: bytes, *, keep_alive: bool, chunked: bool, started: float,
+                 has_body: bool = False) -> None:
         ctx = client.ctx
         self.ctx = ctx
         self.client = client
@@ -491,6 +499,11 @@ class Exchange:
         self.seen_progress = 0
         self.progress_at = 0.0
         self.last_error = "none"
+        # Read by policies that route on the request (proxy/prefix.py).
+        self.has_body = has_body
+        self.awaiting_body = False  # holding the body's first bytes before choosing
+        self.req_headers: list[tuple[bytes, bytes]] = []
+        self.route_key: tuple[int, ...] | None = None
 
     # -- choosing a replica and a connection ------------------------------------
 
@@ -499,14 +512,25 @@ class Exchange:
         ctx.stats.requests_total += 1
         if ctx.draining:
             self.close_after = True  # served, but the connection closes after it
+        need = ctx.ready_set.policy.body_prefix
+        if need and self.has_body and not self.body_done and self.body_len < need:
+            # The policy routes on the body's first bytes: choose once they are here
+            # (on_request_body, on_request_complete, or tick after _ROUTE_WAIT).
+            self.awaiting_body = True
+            return
         self.pick()
+
+    def route_now(self) -> None:
+        self.awaiting_body = False
+        if self.state == NEW:  # not answered meanwhile (413, client gone)
+            self.pick()
 
     def pick(self) -> None:
         ready_set = self.ctx.ready_set
-        replica = ready_set.choose(self.tried)
+        replica = ready_set.choose(self.tried, self)
         if replica is None:
             if ready_set.replicas:
-                replica = ready_set.choose(None)  # every replica tried: reuse one
+                replica = ready_set.choose(None, self)  # every replica tried: reuse one
             if replica is None:
                 self.state = WAIT_REPLICA
                 cfg = self.ctx.config
@@ -604,9 +628,14 @@ class Exchange:
             self.body.append(data)
             if self.body_len > _BODY_BUFFER_HIGH:
                 self.client.pause_reading_for(PAUSE_BODY_BUFFER)
+            if self.awaiting_body and self.body_len >= self.ctx.ready_set.policy.body_prefix:
+                self.route_now()
 
     def on_request_complete(self) -> None:
         self.body_done = True
+        if self.awaiting_body:
+            self.route_now()  # sends the whole body, with the last chunk, once connected
+            return
         conn = self.upstream
         if conn is not None:
             if self.chunked:
@@ -887,3 +916,5 @@ class Exchange:
         elif state == WAIT_CONN or state == SENT:
             if now >= self.deadline_at:
                 self.respond(http.DEADLINE, 504)
+        elif self.awaiting_body and now - self.started >= _ROUTE_WAIT:
+            self.route_now()  # a slow body: route on what arrived

@@ -29,6 +29,36 @@ class ReadyReplica(msgspec.Struct, frozen=True, kw_only=True):
                              f"got {self.url!r}")
 
 
+class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """Options of the `prefix` policy (proxy/prefix.py); every field has a default.
+
+    `block_bytes`: the chain's block size; `prefix_bytes`: how much of a request
+    body is read before routing (the key covers at most this much);
+    `session_header`: a header whose value is the key (empty: none);
+    `user_field`: the JSON `user` field is the key when present; `epsilon`: bounded
+    load, a replica with more than (1 + epsilon) x the mean in flight is skipped;
+    `lru_size`: entries of the per-proxy longest-prefix memory (0: off).
+    """
+
+    block_bytes: int = 256
+    prefix_bytes: int = 16384
+    session_header: str = "X-Session-Id"
+    user_field: bool = False
+    epsilon: float = 1.0
+    lru_size: int = 16384
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.block_bytes <= self.prefix_bytes:
+            raise ValueError(f"prefix.block_bytes must be >= 16 and <= prefix_bytes "
+                             f"({self.prefix_bytes}), got {self.block_bytes}")
+        if self.prefix_bytes > 1 << 20:
+            raise ValueError(f"prefix.prefix_bytes must be <= 1048576, got {self.prefix_bytes}")
+        if not self.epsilon > 0:
+            raise ValueError(f"prefix.epsilon must be > 0, got {self.epsilon}")
+        if self.lru_size < 0:
+            raise ValueError(f"prefix.lru_size must be >= 0, got {self.lru_size}")
+
+
 class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):
     service: str
     generation: int
@@ -37,6 +67,8 @@ class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):
     policy: str = "least_load"
     active_versions: list[int] = msgspec.field(default_factory=list)
     replicas: tuple[ReadyReplica, ...] = ()
+    # Options of the `prefix` policy; None: its defaults. Added after the first release.
+    prefix_options: PrefixOptions | None = None
 
     def __post_init__(self) -> None:
         if self.generation < 0:

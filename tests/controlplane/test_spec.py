@@ -1024,3 +1024,50 @@ def test_cli_envs_and_secrets_override_the_yaml_before_substitution(tmp_path: Pa
     spec = load_spec(path, envs={"MODEL": "big", "HF_TOKEN": "t"}, secrets={"KEY": "cli"})
     assert spec.probe.post_data == {"model": "big"}
     assert spec.envs == {"MODEL": "big", "HF_TOKEN": "t"} and spec.secrets == {"KEY": "cli"}
+
+
+# ---------------------------------------------------------------------------
+# service.sluice.prefix: the prefix policy's options (sluice-only, optional).
+
+
+def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
+    from proxy.snapshot import PrefixOptions
+
+    spec = parse_spec(service_with(replicas=2, load_balancing_policy="prefix", sluice={
+        "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True}}))
+    assert spec.prefix_options == PrefixOptions(epsilon=0.75, session_header="X-Conversation",
+                                                user_field=True)
+    # A Sky Serve YAML has no `sluice:` key: the defaults.
+    plain = parse_spec(service_with(replicas=2, load_balancing_policy="prefix"))
+    assert plain.prefix_options == PrefixOptions()
+    assert parse_spec(service_with(replicas=2)).prefix_options is None  # another policy
+    assert ServiceSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("sluice", "path"),
+    [
+        ({"prefix": {"epsilon": 0}}, "$.service.sluice.prefix.epsilon"),
+        ({"prefix": {"bogus": 1}}, "$.service.sluice.prefix.bogus"),
+        ({"prefix": {"block_bytes": 4096, "prefix_bytes": 1024}},
+         "$.service.sluice.prefix.block_bytes"),
+        ({"prefix": {"session_header": "Bad Header:"}}, "$.service.sluice.prefix.session_header"),
+        ({"routing": {}}, "$.service.sluice.routing"),
+    ],
+)
+def test_bad_prefix_options_name_the_field(sluice: dict[str, Any], path: str) -> None:
+    err = error_of(service_with(replicas=1, load_balancing_policy="prefix", sluice=sluice))
+    assert err.path == path, str(err)
+
+
+def test_prefix_options_need_the_prefix_policy() -> None:
+    err = error_of(service_with(replicas=1, sluice={"prefix": {"epsilon": 1}}))
+    assert err.path == "$.service.sluice.prefix"
+    assert "load_balancing_policy: prefix" in str(err)
+
+
+def test_changing_prefix_options_is_a_count_only_change() -> None:
+    old = parse_spec(service_with(replicas=2, load_balancing_policy="prefix"))
+    new = parse_spec(service_with(replicas=3, load_balancing_policy="prefix",
+                                  sluice={"prefix": {"epsilon": 1.0}}))
+    assert is_count_only_change(old, new)

@@ -501,3 +501,21 @@ async def test_reads_of_an_unknown_service_are_empty(store: Store) -> None:
     assert await store.generation("none") == 0
     assert await store.events("none") == []
     assert await store.read_rps("none") == {}
+
+
+async def test_prefix_options_reach_the_snapshot_and_a_change_publishes(store: Store) -> None:
+    from proxy.snapshot import PrefixOptions
+
+    options = PrefixOptions(epsilon=0.75)
+    record = await registered(store, policy="prefix", prefix_options=options)
+    assert decode_service_record(encode_service_record(record)) == record
+    first = await store.commit("svc", replica_updates=[replica(1)])
+    assert first.policy == "prefix" and first.prefix_options == options
+    # Only the options change: routing changes, so a new generation is published.
+    current = await store.service("svc")
+    assert current is not None
+    changed = await store.commit(
+        "svc", service_record=replace(current, prefix_options=PrefixOptions(epsilon=1.5)))
+    assert changed.generation == first.generation + 1
+    assert changed.prefix_options == PrefixOptions(epsilon=1.5)
+    assert not same_ready_set(changed, first)

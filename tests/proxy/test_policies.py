@@ -34,7 +34,7 @@ from tests.proxy.harness import (
     until,
 )
 
-VALID = ("instance_aware_least_load", "least_load", "p2c", "round_robin")
+VALID = ("instance_aware_least_load", "least_load", "p2c", "prefix", "round_robin")
 
 
 @dataclass(eq=False)  # hashed by identity, like the real Replica

@@ -1,0 +1,322 @@
+"""The `prefix` policy: prompt-prefix affinity that every proxy agrees on.
+
+A model server keeps the KV cache of recent prompts; a request whose prompt
+starts like an earlier one on the same replica skips most of its prefill. This
+policy sends requests that share a prompt prefix to the same replica, with no
+learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
+
+- **Key** (`request_key`), from the raw body bytes, no JSON parse: the bytes
+  from `"messages"` (chat) or `"prompt"` (completions) on, cut into blocks of
+  `block_bytes` and hashed as a chain (block i's hash covers blocks 0..i, like
+  the model server's own block hashes). Only complete blocks count: a prompt
+  shorter than one block has nothing worth caching and goes to the fallback.
+  A session header (`X-Session-Id` by default) or, if enabled, the JSON `user`
+  field is the key instead. CRC-32 chains the blocks: it is stable across
+  processes (unlike `hash()`, which is salted per process) and costs ~0.1 µs
+  a block.
+- **Choice**: rendezvous (highest-random-weight) hashing of the first block's
+  hash over the snapshot's replicas. Replica weights come from blake2b of the
+  replica URL and a slot of the key space (`SLOTS` slots): every proxy and
+  worker holding the same set computes the same order, and a change of the
+  set moves only the slots whose winner came or went. A slot's order is
+  computed once per snapshot, on first use; a request does one list index.
+- **Bounded load**: walking that order, a replica already holding
+  ceil((1 + epsilon) x (in flight + 1) / replicas) requests is skipped
+  (consistent hashing with bounded loads); hot prefixes spill to their second
+  choice, and keep spilling to where they spilled before while it has room
+  (so a hot prefix is cached on two replicas, not on all). A prefix this
+  proxy never routed may not take a replica above the mean in flight, and is
+  not remembered where it spilled: unshared traffic spreads like
+  `least_load`, and the next request of a new prefix tries the agreed first
+  choice again. No candidate left: the fallback policy (`least_load`).
+- **Longest prefix**: a per-proxy LRU maps the chain hashes of blocks 2.. to
+  the replica that first received them, so a conversation's next turn (or a
+  long shared prompt) follows its longest known prefix. The first writer
+  wins, so the LRU repeats the rendezvous choice unless that replica was
+  full; proxies may disagree on it, the rendezvous order is the agreement.
+
+Reasons are counted per replica (`routed`): affinity (first choice or LRU
+hit), spill (skipped a full replica), fallback (no key or nobody within the
+bound); exported on the admin port's /metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+from zlib import crc32
+
+from proxy.snapshot import PrefixOptions
+
+if TYPE_CHECKING:
+    from proxy.policies import Policy
+    from proxy.readyset import Replica
+
+SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
+
+# Indexes into a replica's `routed` counters.
+AFFINITY, SPILL, FALLBACK = 0, 1, 2
+REASONS = ("affinity", "spill", "fallback")
+
+_MESSAGES = b'"messages"'
+_PROMPT = b'"prompt"'
+_USER = b'"user"'
+_NO_KEY: tuple[int, ...] = ()
+
+
+class Routable(Protocol):
+    """What the policy reads of a request (the server's Exchange)."""
+
+    req_headers: list[tuple[bytes, bytes]]
+    body: list[bytes]
+    route_key: tuple[int, ...] | None  # None until computed; () when the request has none
+
+
+def prefix_chain(body: bytes, block: int, limit: int) -> tuple[int, ...]:
+    """Chain hashes of the complete `block`-byte blocks from `"messages"`/`"prompt"` on.
+
+    Only the first `limit` bytes of `body` are looked at. `()` when neither key
+    occurs or no complete block follows it.
+    """
+    start = body.find(_MESSAGES, 0, limit)
+    if start < 0:
+        start = body.find(_PROMPT, 0, limit)
+        if start < 0:
+            return _NO_KEY
+    end = min(len(body), limit)
+    view = memoryview(body)
+    h = 0
+    chain = []
+    i = start + block
+    while i <= end:
+        h = crc32(view[i - block:i], h)
+        chain.append(h)
+        i += block
+    return tuple(chain)
+
+
+def json_string_after(body: bytes, key: bytes, limit: int) -> bytes | None:
+    """The raw bytes of the string value of top-level-looking `key` (e.g. b'"user"').
+
+    Occurrences not followed by `:` are values (`"role": "user"`) and skipped.
+    Escapes stay as they are (the bytes are only hashed); an escaped quote does
+    not end the string. None when there is no such string value in `body[:limit]`.
+    """
+    n = min(len(body), limit)
+    pos = body.find(key, 0, n)
+    while pos >= 0:
+        i = pos + len(key)
+        while i < n and body[i] in b" \t\r\n":
+            i += 1
+        if i < n and body[i] == 0x3A:  # ':'
+            i += 1
+            while i < n and body[i] in b" \t\r\n":
+                i += 1
+            if i >= n or body[i] != 0x22:  # not a string: no key
+                return None
+            j = i + 1
+            while True:
+                j = body.find(b'"', j, n)
+                if j < 0:
+                    return None
+                k = j - 1
+                while body[k] == 0x5C:  # count the backslashes before the quote
+                    k -= 1
+                if (j - 1 - k) % 2 == 0:
+                    return body[i + 1:j]
+                j += 1
+        pos = body.find(key, pos + 1, n)
+    return None
+
+
+def request_key(headers: list[tuple[bytes, bytes]], body: bytes,
+                options: PrefixOptions, header_name: bytes) -> tuple[int, ...]:
+    """The routing key: a session (header, `user` field) or the prompt's block chain.
+
+    A session key is one hash; a prompt key is the chain (first block first).
+    """
+    if header_name:
+        size = len(header_name)
+        for name, value in headers:
+            if len(name) == size and name.lower() == header_name and value:
+                return (crc32(value, 0x53455353),)
+    if options.user_field:
+        user = json_string_after(body, _USER, options.prefix_bytes)
+        if user:
+            return (crc32(user, 0x55534552),)
+    return prefix_chain(body, options.block_bytes, options.prefix_bytes)
+
+
+def replica_seed(url: str) -> hashlib.blake2b:
+    """The per-replica hasher rendezvous weights derive from (stable across processes)."""
+    return hashlib.blake2b(url.encode() + b"\0", digest_size=8)
+
+
+def rendezvous_order(seeds: Sequence[hashlib.blake2b], slot: int) -> list[int]:
+    """Indexes of the replicas by descending weight for `slot` (ties: by index)."""
+    slot_bytes = slot.to_bytes(4, "big")
+    weights = []
+    for i, seed in enumerate(seeds):
+        h = seed.copy()
+        h.update(slot_bytes)
+        weights.append((-int.from_bytes(h.digest(), "big"), i))
+    weights.sort()
+    return [i for _, i in weights]
+
+
+class PrefixPolicy:
+    """Prefix affinity with bounded load; see the module docstring."""
+
+    name = "prefix"
+
+    def __init__(self, options: PrefixOptions | None, fallback: Policy) -> None:
+        opts = options if options is not None else PrefixOptions()
+        self.options = opts
+        # Body bytes the server holds back before choosing (the key's window).
+        self.body_prefix = opts.prefix_bytes
+        self._header = opts.session_header.lower().encode("latin-1")
+        self._load_factor = 1.0 + opts.epsilon
+        self._lru_size = opts.lru_size
+        self._fallback = fallback
+        self._replicas: tuple[Replica, ...] = ()
+        self._seeds: list[hashlib.blake2b] = []
+        self._orders: list[tuple[Replica, ...] | None] = []
+        self._lru: OrderedDict[int, Replica] = OrderedDict()
+        # Known prefix (its deepest known block) -> where it last spilled.
+        self._spilled: OrderedDict[int, Replica] = OrderedDict()
+        # replica URL -> [affinity, spill, fallback]; kept across snapshots.
+        self.routed: dict[str, list[int]] = {}
+        self._counts: dict[Replica, list[int]] = {}
+
+    def update(self, replicas: Sequence[Replica]) -> None:
+        self._replicas = tuple(replicas)
+        self._fallback.update(replicas)
+        self._seeds = [replica_seed(r.url) for r in self._replicas]
+        self._orders = [None] * SLOTS  # filled on first use, per snapshot
+        counts = {}
+        for r in self._replicas:
+            counts[r] = self.routed.setdefault(r.url, [0, 0, 0])
+        self._counts = counts
+
+    def order_for(self, slot: int) -> tuple[Replica, ...]:
+        order = self._orders[slot]
+        if order is None:
+            reps = self._replicas
+            order = tuple(reps[i] for i in rendezvous_order(self._seeds, slot))
+            self._orders[slot] = order
+        return order
+
+    def key_of(self, request: Routable) -> tuple[int, ...]:
+        key = request.route_key
+        if key is None:
+            body = request.body
+            raw = body[0] if len(body) == 1 else b"".join(body)
+            key = request_key(request.req_headers, raw, self.options, self._header)
+            request.route_key = key
+        return key
+
+    def choose(self, exclude: set[Replica] | None,
+               request: Routable | None = None) -> Replica | None:
+        replicas = self._replicas
+        n = len(replicas)
+        if n == 0:
+            return None
+        key = self.key_of(request) if request is not None else _NO_KEY
+        if not key:
+            return self._fall_back(exclude)
+        capacity = -1
+        # A prefix this proxy never routed may not load a replica above the mean (so
+        # unshared traffic balances like least_load); a known one, or a session, may
+        # take (1 + epsilon) x the mean: its cache is worth waiting for.
+        depth = len(key)
+        factor = self._load_factor if depth == 1 else 1.0
+        lru = self._lru
+        hit: Replica | None = None
+        full: int | None = None  # the known block whose replica was over the bound
+        if depth > 1 and self._lru_size:
+            for d in range(depth - 1, 0, -1):
+                hit = lru.get(key[d])
+                if hit is not None:
+                    factor = self._load_factor
+                    if hit.left_at is not None or (exclude is not None and hit in exclude):
+                        hit = None
+                        break
+                    lru.move_to_end(key[d])  # refresh: most recent last
+                    if hit.inflight:
+                        capacity = self._capacity(factor)
+                        if hit.inflight >= capacity:
+                            hit = None
+                            full = key[d]
+                    break
+        chosen = hit
+        reason = AFFINITY
+        if full is not None:
+            # Spill where this prefix spilled before (it is cached there too), so a hot
+            # prefix occupies two replicas' caches, not every replica's.
+            alt = self._spilled.get(full)
+            if (alt is not None and alt.left_at is None and alt.inflight < capacity
+                    and (exclude is None or alt not in exclude)):
+                chosen = alt
+                reason = SPILL
+        if chosen is None:
+            for r in self.order_for(key[0] & (SLOTS - 1)):
+                if exclude is not None and r in exclude:
+                    continue
+                if r.inflight:
+                    if capacity < 0:
+                        capacity = self._capacity(factor)
+                    if r.inflight >= capacity:
+                        reason = SPILL
+                        continue
+                chosen = r
+                break
+            if chosen is None:
+                return self._fall_back(exclude)
+            if full is not None:
+                spilled = self._spilled
+                spilled[full] = chosen
+                spilled.move_to_end(full)
+                if len(spilled) > self._lru_size // 4 + 1:
+                    spilled.popitem(last=False)
+            if depth > 1 and self._lru_size and (reason == AFFINITY or factor != 1.0):
+                # Remember where the blocks went (first writer wins); a prefix never seen
+                # that spilled is not pinned to where it spilled, so the next one tries
+                # the agreed first choice again (other proxies pin it there).
+                for h in key[1:]:
+                    if h not in lru:
+                        lru[h] = chosen
+                while len(lru) > self._lru_size:
+                    lru.popitem(last=False)
+        elif depth - 1 > d:
+            for h in key[d + 1:]:
+                lru[h] = chosen
+            while len(lru) > self._lru_size:
+                lru.popitem(last=False)
+        self._counts[chosen][reason] += 1
+        return chosen
+
+    def _capacity(self, factor: float) -> int:
+        """A replica holding this many requests or more is skipped (bounded load).
+
+        factor 1.0 (a prefix never seen): at most the mean in flight, rounded down, so
+        unshared traffic spreads about as evenly as least_load; else ceil((1 + epsilon)
+        x the mean counting this request), as in consistent hashing with bounded loads.
+        """
+        total = 0
+        for r in self._replicas:
+            total += r.inflight
+        n = len(self._replicas)
+        if factor == 1.0:
+            return total // n + 1
+        return math.ceil(factor * (total + 1) / n)
+
+    def _fall_back(self, exclude: set[Replica] | None) -> Replica | None:
+        chosen = self._fallback.choose(exclude)
+        if chosen is not None:
+            counts = self._counts.get(chosen)
+            if counts is not None:
+                counts[FALLBACK] += 1
+        return chosen

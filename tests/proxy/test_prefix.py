@@ -1,0 +1,523 @@
+"""The `prefix` policy (proxy/prefix.py): key extraction, rendezvous agreement, bounded
+load, minimal movement on set changes, the longest-prefix memory, and the whole path
+through a real proxy process (the body is read before routing, metrics say why)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import random
+import subprocess
+import sys
+
+import aiohttp
+import msgspec
+import pytest
+
+from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
+from proxy.readyset import ReadySet
+from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
+from tests.proxy.harness import BASE_ARGS, metric, replica_stats, scrape
+from tests.proxy.rawhttp import connect
+
+OPTS = PrefixOptions()
+BLOCK = OPTS.block_bytes
+
+
+class Req:
+    """What the policy reads of a request (the server's Exchange has the same fields)."""
+
+    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        self.body = [body]
+        self.req_headers = headers or []
+        self.route_key: tuple[int, ...] | None = None
+
+
+def chat(system: str, *turns: str, model: str = "m", first: bool = True) -> bytes:
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    fields = {"model": model, "messages": messages, "stream": True}
+    if not first:  # the same body with "messages" last
+        fields = {"stream": True, "model": model, "messages": messages}
+    return json.dumps(fields).encode()
+
+
+def key(body: bytes, headers: list[tuple[bytes, bytes]] | None = None,
+        options: PrefixOptions = OPTS) -> tuple[int, ...]:
+    return request_key(headers or [], body, options,
+                       options.session_header.lower().encode())
+
+
+LONG = "You are a careful assistant for the ACME corporation. " * 20  # ~1,100 bytes
+
+
+# -- key extraction ------------------------------------------------------------------
+
+
+def test_chat_key_is_the_block_chain_from_messages_on() -> None:
+    body = chat(LONG, "What is the refund policy? " * 20)
+    chain = key(body)
+    start = body.index(b'"messages"')
+    assert len(chain) == (len(body) - start) // BLOCK  # complete blocks only
+    # Same system prompt, another question: the blocks covering the shared part agree.
+    other = key(chat(LONG, "How do I reset my password? " * 20))
+    shared = (len(b'"messages": [{"role": "system", "content": "') + len(LONG)) // BLOCK
+    assert chain[:shared] == other[:shared]
+    assert chain[-1] != other[-1]
+    # Another system prompt: no block in common.
+    assert not set(chain) & set(key(chat(LONG.replace("ACME", "Zenith"), "What?")))
+
+
+def test_completion_key_starts_at_prompt() -> None:
+    text = "Translate to French: " + "the quick brown fox jumps over the lazy dog " * 30
+    body = json.dumps({"model": "m", "prompt": text, "max_tokens": 8}).encode()
+    chain = key(body)
+    start = body.index(b'"prompt"')
+    assert len(chain) == (len(body) - start) // BLOCK
+    other = key(json.dumps({"prompt": text, "max_tokens": 99}).encode())
+    assert other[:-1] == chain[:-1]  # the last block holds the fields after the prompt
+
+
+def test_key_does_not_depend_on_the_order_of_other_fields() -> None:
+    a = key(chat(LONG, "Question one?", first=True))
+    b = key(chat(LONG, "Question one?", first=False))
+    # Fields before "messages" are not part of the key; fields after it touch the last block.
+    assert a[:-1] == b[:-1] and len(a) >= 4
+
+
+def test_escaped_key_names_inside_strings_are_not_the_key() -> None:
+    decoy = json.dumps({"note": 'the word "messages" and "prompt" inside a string',
+                        "messages": [{"role": "system", "content": LONG}]}).encode()
+    assert b'\\"messages\\"' in decoy
+    plain = json.dumps({"messages": [{"role": "system", "content": LONG}]}).encode()
+    assert key(decoy) == key(plain)
+
+
+def test_bodies_shorter_than_one_block_have_no_key() -> None:
+    short = chat("Be brief.", "Hi")
+    assert len(short) < BLOCK
+    assert key(short) == ()
+    # Exactly one block from "messages" on: one hash.
+    body = b'{"messages":' + b"x" * (BLOCK - len(b'"messages":')) + b"}"
+    assert len(key(body)) == 1
+
+
+@pytest.mark.parametrize("body", [b"", b"hello world" * 100, bytes(range(256)) * 8,
+                                  b"<xml><messages>" + b"y" * 2000 + b"</messages></xml>",
+                                  b'{"input": "' + b"z" * 2000 + b'"}'])
+def test_bodies_without_a_prompt_have_no_key(body: bytes) -> None:
+    assert key(body) == ()
+
+
+def test_only_the_first_prefix_bytes_are_read() -> None:
+    options = PrefixOptions(prefix_bytes=1024)
+    late = json.dumps({"tools": "t" * 2000, "messages": [{"content": LONG}]}).encode()
+    assert key(late, options=options) == ()
+    early = chat(LONG * 4, "q")
+    assert len(key(early, options=options)) == (1024 - early.index(b'"messages"')) // BLOCK
+
+
+def test_session_header_and_user_field_keys() -> None:
+    body = chat(LONG, "q")
+    by_header = key(body, [(b"X-Session-ID", b"abc")])
+    assert by_header == key(chat("other", "other"), [(b"x-session-id", b"abc")])
+    assert len(by_header) == 1 and by_header != key(body, [(b"X-Session-Id", b"abd")])
+    assert key(body, [(b"X-Session-Id", b"")]) == key(body)  # empty: no session
+    with_user = PrefixOptions(user_field=True)
+    body_u = json.dumps({"user": "u-1", "messages": [{"role": "user", "content": LONG}]})
+    assert key(body_u.encode(), options=with_user) == key(b'{"user":"u-1"}', options=with_user)
+    # "role": "user" is a value, not the field: the prompt chain is the key then.
+    no_user = json.dumps({"messages": [{"role": "user", "content": LONG}]}).encode()
+    assert key(no_user, options=with_user) == key(no_user)
+
+
+def test_json_string_after_handles_escapes() -> None:
+    assert json_string_after(b'{"user" : "a\\"b", "x": 1}', b'"user"', 100) == b'a\\"b'
+    assert json_string_after(b'{"user":"a\\\\","x":"y"}', b'"user"', 100) == b"a\\\\"
+    assert json_string_after(b'{"role":"user","user":"me"}', b'"user"', 100) == b"me"
+    assert json_string_after(b'{"user": 42}', b'"user"', 100) is None
+    assert json_string_after(b'{"user": "unterminated', b'"user"', 100) is None
+    assert json_string_after(b'{"role": "user"}', b'"user"', 100) is None
+
+
+def test_prefix_chain_is_a_chain() -> None:
+    body = b'"prompt"' + bytes(range(256)) * 4
+    chain = prefix_chain(body, 64, len(body))
+    # Changing one byte in block 3 changes hashes 3.. and leaves 0..2 alone.
+    changed = bytearray(body)
+    changed[3 * 64 + 10] ^= 1
+    other = prefix_chain(bytes(changed), 64, len(body))
+    assert chain[:3] == other[:3]
+    assert all(x != y for x, y in zip(chain[3:], other[3:], strict=True))
+
+
+# -- choosing -------------------------------------------------------------------------
+
+
+def snapshot(gen: int, *urls: str, options: PrefixOptions | None = None) -> ReadySnapshot:
+    return ReadySnapshot(service="s", generation=gen, published_at=0.0, policy="prefix",
+                         prefix_options=options,
+                         replicas=tuple(ReadyReplica(id=i, url=u) for i, u in enumerate(urls)))
+
+
+URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]
+
+
+def bodies(n: int, seed: int = 7) -> list[bytes]:
+    rng = random.Random(seed)
+    return [chat(f"System prompt {rng.getrandbits(64):x}. " + LONG, "q") for _ in range(n)]
+
+
+def choices(ready: ReadySet, payloads: list[bytes]) -> list[str]:
+    out = []
+    for body in payloads:
+        chosen = ready.choose(None, Req(body))
+        assert chosen is not None
+        out.append(chosen.url)
+    return out
+
+
+def test_two_ready_sets_agree_whatever_the_replica_order() -> None:
+    one, two = ReadySet(), ReadySet()
+    one.apply(snapshot(1, *URLS[:4]))
+    two.apply(snapshot(9, *reversed(URLS[:4])))  # another generation, another order
+    payloads = bodies(2000)
+    a, b = choices(one, payloads), choices(two, payloads)
+    assert a == b
+    spread = collections.Counter(a)
+    assert set(spread) == set(URLS[:4])
+    assert max(spread.values()) / min(spread.values()) < 1.25  # evenly spread
+
+
+_CHILD = """
+import json, sys
+from proxy.readyset import ReadySet
+from tests.proxy.test_prefix import Req, URLS, bodies, choices, snapshot
+ready = ReadySet()
+ready.apply(snapshot(1, *URLS[:4]))
+json.dump(choices(ready, bodies(500)), sys.stdout)
+"""
+
+
+def test_two_processes_agree() -> None:
+    """Another interpreter with another hash seed picks the same replicas."""
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    mine = choices(ready, bodies(500))
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, check=True,
+                         env=env, timeout=60, cwd=os.getcwd())
+    assert json.loads(out.stdout) == mine
+
+
+def test_set_changes_move_only_the_affected_keys() -> None:
+    """The rendezvous choice (the LRU off: it would keep every key it saw in place)."""
+    ready = ReadySet()
+    payloads = bodies(4000, seed=3)
+    no_lru = PrefixOptions(lru_size=0)
+    ready.apply(snapshot(1, *URLS[:4], options=no_lru))
+    before = choices(ready, payloads)
+    ready.apply(snapshot(2, *URLS[:5], options=no_lru))  # one replica joins
+    after = choices(ready, payloads)
+    moved = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert all(b == URLS[4] for _, b in moved)  # only to the newcomer
+    fraction = len(moved) / len(payloads)
+    assert 0.15 < fraction < 0.25, fraction  # ~1/5, the newcomer's share
+    ready.apply(snapshot(3, *(URLS[:1] + URLS[2:5]), options=no_lru))  # URLS[1] leaves
+    left = choices(ready, payloads)
+    for old, new in zip(after, left, strict=True):
+        if old != URLS[1]:
+            assert new == old  # nobody else's keys moved
+    assert sum(o != n for o, n in zip(after, left, strict=True)) == after.count(URLS[1])
+
+
+def test_with_the_lru_a_joining_replica_takes_only_new_prefixes() -> None:
+    ready = ReadySet()
+    seen, fresh = bodies(1000, seed=3), bodies(1000, seed=4)
+    ready.apply(snapshot(1, *URLS[:4]))
+    before = choices(ready, seen)
+    ready.apply(snapshot(2, *URLS[:5]))
+    assert choices(ready, seen) == before  # cached where they are: nothing moves
+    share = choices(ready, fresh).count(URLS[4]) / len(fresh)
+    assert 0.15 < share < 0.25, share
+
+
+def test_bounded_load_spills_to_the_next_in_rendezvous_order() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    body = bodies(1)[0]
+    first = ready.choose(None, Req(body))
+    assert first is not None
+    # Rank of the replicas for this key: exclude them one by one.
+    order = [first]
+    while len(order) < 4:
+        nxt = ready.choose(set(order), Req(body))
+        assert nxt is not None
+        order.append(nxt)
+    # Mean in flight 2 over 4 replicas, epsilon 0.5: capacity ceil(1.5 * 9 / 4) = 4.
+    first.inflight = 4
+    order[1].inflight = 4
+    second = ready.choose(None, Req(body))
+    assert second is order[2]
+    first.inflight = 2  # total 6: capacity ceil(1.5 * 7 / 4) = 3, back to the first choice
+    assert ready.choose(None, Req(body)) is first
+    counts = ready.policy.routed  # type: ignore[attr-defined]
+    assert counts[first.url][AFFINITY] >= 2 and counts[order[2].url][SPILL] == 1
+
+
+def rank(ready: ReadySet, body: bytes) -> list[object]:
+    """The rendezvous order for `body` (no LRU, idle replicas)."""
+    fresh = ReadySet()
+    assert ready.snapshot is not None
+    fresh.apply(msgspec.structs.replace(ready.snapshot, prefix_options=PrefixOptions(lru_size=0)))
+    order: list[object] = []
+    while len(order) < len(ready.replicas):
+        nxt = fresh.choose({r for r in fresh.replicas if r.url in order}, Req(body))
+        assert nxt is not None
+        order.append(nxt.url)
+    return order
+
+
+def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_not_pinned_there() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    body = bodies(1, seed=11)[0]
+    order = rank(ready, body)
+    by_url = {r.url: r for r in ready.replicas}
+    top, second = by_url[order[0]], by_url[order[1]]  # type: ignore[index]
+    top.inflight, second.inflight = 2, 1  # total 3, mean 0.75: top is above it
+    chosen = ready.choose(None, Req(body))
+    assert chosen is not None and chosen.url == order[2]  # the first at or below the mean
+    assert ready.policy.routed[chosen.url][SPILL] == 1  # type: ignore[attr-defined]
+    # Not pinned where it spilled: with the top free again, the next one goes there.
+    top.inflight = second.inflight = 0
+    assert ready.choose(None, Req(body)) is top
+    # Now known (pinned to the top): it may load the top up to (1 + epsilon) x the mean.
+    for r in ready.replicas:
+        r.inflight = 1
+    top.inflight = 2  # total 5: above the mean, within ceil(2 x 6 / 4) = 3
+    assert ready.choose(None, Req(body)) is top
+    # An unseen prefix with the same first choice does not get it (above the mean).
+    unseen = next(b for b in bodies(40, seed=12) if rank(ready, b)[0] == top.url)
+    assert ready.choose(None, Req(unseen)) is not top
+
+
+def test_no_key_uses_the_fallback_least_load() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    busy = ready.replicas
+    busy[0].inflight, busy[1].inflight, busy[2].inflight = 5, 0, 5
+    chosen = ready.choose(None, Req(b"not json"))
+    assert chosen is busy[1]
+    assert ready.choose(None, None) is busy[1]  # no request at all (a retry path)
+    assert ready.policy.routed[busy[1].url][FALLBACK] == 2  # type: ignore[attr-defined]
+
+
+def test_next_turn_follows_the_longest_known_prefix() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    turn1 = chat(LONG, "First question, long enough to fill a block or two. " * 6)
+    first = ready.choose(None, Req(turn1))
+    assert first is not None
+    # Load the first choice to its bound: turn 1 of another session spills...
+    for r in ready.replicas:
+        r.inflight = 0
+    first.inflight = 100
+    spilled = ready.choose(None, Req(turn1.replace(b"First", b"Other")))
+    assert spilled is not None and spilled is not first
+    first.inflight = 0
+    # ...and that session's turn 2 goes where its turn 1 went, not to the first choice.
+    turn2 = chat(LONG, "Other question, long enough to fill a block or two. " * 6,
+                 "An answer. " * 20, "A follow-up?")
+    assert ready.choose(None, Req(turn2)) is spilled
+    # A replica that left: its LRU entries are ignored.
+    ready.apply(snapshot(2, *[u for u in URLS[:4] if u != spilled.url]))
+    again = ready.choose(None, Req(turn2))
+    assert again is not None and again.url != spilled.url
+
+
+def test_options_come_from_the_snapshot_unless_overridden() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=3.0)))
+    assert ready.policy.options.epsilon == 3.0  # type: ignore[attr-defined]
+    ready.apply(snapshot(2, *URLS[:2]))
+    assert ready.policy.options == PrefixOptions()  # type: ignore[attr-defined]
+    pinned = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(epsilon=0.1))
+    pinned.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=2.0)))
+    assert pinned.policy.options.epsilon == 0.1  # type: ignore[attr-defined]
+
+
+def test_old_proxies_read_snapshots_with_prefix_options() -> None:
+    """A proxy that predates the field ignores it (wire structs allow unknown fields)."""
+    import msgspec
+
+    from proxy.snapshot import decode_snapshot, encode_snapshot
+
+    class OldSnapshot(msgspec.Struct, kw_only=True):
+        service: str
+        generation: int
+        published_at: float
+        policy: str = "least_load"
+
+    payload = encode_snapshot(snapshot(3, URLS[0], options=PrefixOptions(epsilon=1.0)))
+    assert msgspec.json.decode(payload, type=OldSnapshot).generation == 3
+    assert decode_snapshot(payload).prefix_options == PrefixOptions(epsilon=1.0)
+    assert decode_snapshot(b'{"service":"s","generation":1,"published_at":0}').prefix_options \
+        is None
+
+
+# -- through a real proxy process ---------------------------------------------------------
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> str:
+    async with session.post(f"{url}/echo", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["X-Replica-Id"]
+
+
+async def test_end_to_end_prefix_affinity_and_metrics(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    reps = await replica_factory.astart(4, ids=["a", "b", "c", "d"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", replicas=reps)
+    prompts = [f"System prompt number {i}. " + LONG for i in range(12)]
+    seen: dict[int, set[str]] = collections.defaultdict(set)
+    async with aiohttp.ClientSession() as s:
+        for rnd in range(4):
+            for i, prompt in enumerate(prompts):
+                seen[i].add(await _post(s, proxy.url, chat(prompt, f"question {rnd}")))
+        # Short bodies have no key: the fallback spreads them.
+        for _ in range(4):
+            await _post(s, proxy.url, chat("Hi", "?"))
+    assert all(len(where) == 1 for where in seen.values()), seen  # one replica per prompt
+    assert len({next(iter(w)) for w in seen.values()}) >= 3  # prompts spread over replicas
+    samples = await scrape(proxy.admin_url)
+    affinity = sum(metric(samples, "sluice_routed_total", replica=r.url, reason="affinity")
+                   for r in reps)
+    fallback = sum(metric(samples, "sluice_routed_total", replica=r.url, reason="fallback")
+                   for r in reps)
+    assert (affinity, fallback) == (48, 4)
+
+
+async def test_end_to_end_body_arriving_after_the_head_is_routed_on(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    """The head first, the body later (and chunked): routed on the body, sent whole."""
+    reps = await replica_factory.astart(4, ids=["a", "b", "c", "d"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", replicas=reps)
+    bodies_ = [chat(f"Prompt {i}. " + LONG, "q") for i in range(8)]
+    async with aiohttp.ClientSession() as s:
+        expected = [await _post(s, proxy.url, b) for b in bodies_]
+        again = [await _post(s, proxy.url, b) for b in reversed(bodies_)]
+    assert expected == again[::-1]  # each prompt sticks to its replica
+    port = int(proxy.url.rsplit(":", 1)[1])
+    async with connect(port) as conn:
+        for body, where in zip(bodies_, expected, strict=True):
+            conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                      % len(body))
+            await asyncio.sleep(0.05)  # the head alone reaches the proxy first
+            conn.send(body[:100])
+            await asyncio.sleep(0.05)
+            conn.send(body[100:])
+            resp = await conn.response()
+            assert resp.status == 200
+            assert resp.header("X-Replica-Id") == where
+            assert json.loads(resp.body)["body_length"] == len(body)
+        for body, where in zip(bodies_, expected, strict=True):
+            chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 300]), body[i:i + 300])
+                               for i in range(0, len(body), 300))
+            conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                      + chunked + b"0\r\n\r\n")
+            resp = await conn.response()
+            assert resp.status == 200
+            assert resp.header("X-Replica-Id") == where
+            assert json.loads(resp.body)["body_length"] == len(body)
+        # A GET on the same connection still works (no body to wait for).
+        conn.send(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await conn.response()).status == 200
+
+
+def test_a_known_prefix_spills_where_it_spilled_before() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    body = bodies(1, seed=21)[0]
+    by_url = {r.url: r for r in ready.replicas}
+    a, b, c, d = (by_url[u] for u in rank(ready, body))  # type: ignore[index]
+    assert ready.choose(None, Req(body)) is a  # pinned to the first choice
+    a.inflight, b.inflight = 9, 9  # total 18: capacity ceil(1.5 x 19 / 4) = 8
+    assert ready.choose(None, Req(body)) is c  # walks the order past two full replicas
+    b.inflight = 0  # the second choice has room again, but the prefix is cached on c
+    assert ready.choose(None, Req(body)) is c
+    c.inflight = 9  # c full too: walk again (b), and remember b
+    assert ready.choose(None, Req(body)) is b
+    assert d.inflight == 0
+
+
+def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
+    from click.testing import CliRunner
+
+    from proxy.cli import _prefix_options, proxy_command
+
+    assert _prefix_options({"prefix_epsilon": None}) is None  # none given: the snapshot's
+    assert _prefix_options({"prefix_epsilon": 0.5, "prefix_session_header": ""}) == \
+        PrefixOptions(epsilon=0.5, session_header="")
+    result = CliRunner().invoke(proxy_command, [
+        "--replicas", "http://127.0.0.1:1", "--policy", "prefix",
+        "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])
+    assert result.exit_code == 2
+    assert "block_bytes" in result.output and "prefix_bytes" in result.output
+
+
+async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    """The proxy does not hold a request forever for its routing bytes: after 1 s it
+    routes on what arrived, and the rest of the body streams on."""
+    from proxy.server import _ROUTE_WAIT
+
+    reps = await replica_factory.astart(2, ids=["a", "b"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", replicas=reps)
+    body = chat(LONG * 4, "q")
+    port = int(proxy.url.rsplit(":", 1)[1])
+    async with connect(port) as conn:
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                  + body[:300])
+        # Poll the replicas until the request reached one (routed before the body ended).
+        from tests.proxy.harness import replica_stats, until
+
+        async def arrived() -> bool:
+            return any([(await replica_stats(r))["in_flight"] for r in reps])
+
+        started = asyncio.get_running_loop().time()
+        await until(arrived, timeout=10, what="the request routed on a partial body")
+        assert asyncio.get_running_loop().time() - started >= _ROUTE_WAIT * 0.5
+        conn.send(body[300:])
+        resp = await conn.response()
+        assert resp.status == 200
+        assert json.loads(resp.body)["body_length"] == len(body)
+
+
+async def test_a_body_over_max_body_while_held_for_routing_is_refused_once(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    """413 while the body is held for routing: answered once, nothing sent upstream."""
+    reps = await replica_factory.astart(2, ids=["a", "b"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", "--max-body", "1500",
+                                       replicas=reps)
+    port = int(proxy.url.rsplit(":", 1)[1])
+    async with connect(port) as conn:
+        conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                  b"7d0\r\n" + b"m" * 2000 + b"\r\n")
+        resp = await conn.response()
+        assert resp.status == 413
+        assert await conn.closed_by_peer(5.0)
+    stats = [await replica_stats(r) for r in reps]
+    assert sum(s["total"] for s in stats) == 0
+    async with aiohttp.ClientSession() as s:  # the proxy still serves
+        assert await _post(s, proxy.url, chat(LONG, "q")) in {"a", "b"}
