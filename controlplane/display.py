@@ -79,14 +79,18 @@ def _replica_row(service: str, r: ReplicaView, now: float) -> list[str]:
         str(r.version),
         r.url or _NONE,
         ago(r.launched_at, now),
+        r.infra or _NONE,
+        r.resources or _NONE,
         r.status,
     ]
 
 
 def replicas_table(views: Sequence[ServiceView], now: float) -> str:
-    """Every replica of `views`: service, id, version, endpoint, launched, status."""
+    """Every replica of `views`: Sky Serve's columns (service, id, version, endpoint,
+    launched, infra, resources, status)."""
     rows = [_replica_row(v.name, r, now) for v in views for r in v.replicas]
-    return table(["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+    headers = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES"]
+    return table([*headers, "STATUS"], rows)
 
 
 def scaling_line(view: ServiceView) -> str:
@@ -190,7 +194,8 @@ class LiveView:
             text += f"\n{view.launch_blocked}"
         if view.replicas:
             rows = [_replica_row(view.name, r, now)[1:] for r in view.replicas]
-            text += "\n" + table(["ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+            headers = ["ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES", "STATUS"]
+            text += "\n" + table(headers, rows)
         lines = text.split("\n")
         self.clear()
         self._out.write("\n".join(lines) + "\n")
