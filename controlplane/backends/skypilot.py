@@ -23,7 +23,9 @@ and at once for clusters the controller suspects (`suspect()`: a failed probe;
 a forced cloud refresh, at most every `nonspot_refresh_gap` for on-demand
 clusters). A spot cluster that is gone or not UP is a preemption
 (`preemption()`); `spot_placer: dynamic_fallback` remembers where preemptions
-happened and orders the task's `any_of`/`ordered` locations so others come first.
+happened and steers the next spot launches to the task's other `any_of` /
+`ordered` locations (`task_config`). Without such a list SkyPilot's own
+optimizer picks, as in any launch: sluice cannot enumerate locations offline.
 
 Termination: `sky.down`, idempotent (a missing cluster is done), retried with
 backoff; it runs in the controller's termination task, never in a step.
@@ -167,8 +169,9 @@ def task_config(
     """The SkyPilot task (YAML mapping) for one replica of `spec`; see the module docstring.
 
     `avoid`: locations where spot replicas were preempted; entries of
-    `resources.any_of` / `ordered` there are tried last (all of them, when every
-    entry was preempted somewhere).
+    `resources.ordered` there move to the end, entries of `resources.any_of` there
+    are left out (nothing changes when every entry was preempted somewhere: Sky
+    Serve's placer then starts over too).
     """
     raw: dict[str, Any] = {
         k: v for k, v in _plain(spec).items() if k in _TASK_KEYS and v not in (None, {}, [])
@@ -196,10 +199,9 @@ def task_config(
             fresh = [e for e in entries if not any(_covers(location_of(e), a) for a in avoid)]
             stale = [e for e in entries if e not in fresh]
             if fresh and stale:
-                # any_of has no order: say it, so the fresh locations are tried first.
-                del resources[key]
-                key = "ordered"
-                entries = fresh + stale
+                # `ordered`: the fresh locations first. `any_of` has no order, and SkyPilot
+                # refuses `ordered` beside several accelerators: leave the stale ones out.
+                entries = fresh + stale if key == "ordered" else fresh
         resources[key] = entries
     raw["resources"] = resources
     if spec.workdir is not None and base_dir is not None:

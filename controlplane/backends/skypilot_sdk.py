@@ -56,6 +56,10 @@ SDK_CALLS: dict[str, tuple[str, ...]] = {
     "tail_logs": ("cluster_name", "job_id", "follow", "tail", "output_stream"),
     "Task.from_yaml_config": ("config",),
 }
+#: The fields of a `sky.status` record and the attributes of a cluster's launched
+#: resources that `_cluster_info` reads (checked by the same contract test).
+STATUS_FIELDS = ("name", "status", "handle", "cloud", "region", "accelerators", "resources_str")
+RESOURCES_ATTRS = ("cloud", "region", "zone", "instance_type", "use_spot", "get_cost")
 
 
 class SkyPilotMissing(BackendError):

@@ -165,10 +165,15 @@ def test_dynamic_fallback_placer_tries_preempted_locations_last() -> None:
         }
     )  # fmt: skip
     task = task_config(spec, replica_id=1, port=8000, avoid={("aws", "us-east-1", "us-east-1a")})
-    assert "any_of" not in task["resources"]
-    assert task["resources"]["ordered"] == [
-        {"infra": "aws/us-west-2"}, {"infra": "gcp"}, {"infra": "aws/us-east-1"},
-    ]  # fmt: skip
+    assert task["resources"]["any_of"] == [{"infra": "aws/us-west-2"}, {"infra": "gcp"}]
+    ordered = msgspec.structs.replace(
+        spec,
+        resources=msgspec.structs.replace(
+            spec.resources, any_of=None, ordered=[{"infra": "aws/us-east-1"}, {"infra": "gcp"}]
+        ),
+    )
+    task = task_config(ordered, replica_id=1, port=8000, avoid={("aws", "us-east-1", "x")})
+    assert task["resources"]["ordered"] == [{"infra": "gcp"}, {"infra": "aws/us-east-1"}]
     # Every location preempted: nothing is preferred, the task is as written.
     everywhere = {("aws", "us-east-1"), ("aws", "us-west-2"), ("gcp",)}
     assert "any_of" in task_config(spec, replica_id=1, port=8000, avoid=everywhere)["resources"]
@@ -280,7 +285,7 @@ async def test_preempted_spot_cluster_is_seen_after_a_suspected_refresh_and_avoi
     assert backend.preempted_locations("svc") == {("aws", "us-east-1", "us-east-1a")}
     again = await backend.launch("svc", 2, 1, spec, spot=True)
     task = fake.tasks["t-svc-r2-v1"]["resources"]
-    assert task["ordered"][0] == {"infra": "gcp/us-central1/us-central1-a"}
+    assert task["any_of"] == [{"infra": "gcp/us-central1/us-central1-a"}]
     assert again.handle["cloud"] == "gcp"
 
 
@@ -301,7 +306,8 @@ async def test_tail_logs_streams_the_cluster_log(
 ) -> None:
     from controlplane.backends.skypilot import stream_logs
 
-    spec = msgspec.structs.replace(make_spec(), run="echo hello from $SLUICE_REPLICA_ID; exec sleep 60")
+    run = "echo hello from $SLUICE_REPLICA_ID; exec sleep 60"
+    spec = msgspec.structs.replace(make_spec(), run=run)
     launched = await backend.launch("svc", 1, 1, spec)
     await eventually(lambda: fake.clusters["t-svc-r1-v1"].log.stat().st_size > 0, within=10,
                      what="the replica to log")  # fmt: skip
