@@ -194,7 +194,7 @@ def _check_backend(ctx: click.Context, param: click.Parameter, value: str) -> st
         try:
             load_sky()
         except SkyPilotMissing as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+            raise click.ClickException(f"--backend skypilot: {exc}") from exc
     return value
 
 
