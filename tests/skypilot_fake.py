@@ -242,11 +242,24 @@ class FakeSkyPilot:
             env.update({k: str(v) for k, v in (task.get(key) or {}).items()})
         env["PORT"] = str(port)
         with log.open("ab") as out:
-            process = await asyncio.create_subprocess_exec(
+            spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
                 "bash", "-c", str(task.get("run") or "sleep infinity"),
                 cwd=task.get("workdir") or None, env=env, stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+            ))  # fmt: skip
+            try:
+                process = await asyncio.shield(spawn)
+            except asyncio.CancelledError:
+                # Cancelled mid-spawn: the process may exist already; never leak it.
+                with contextlib.suppress(BaseException):
+                    orphan = await spawn
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(orphan.pid, signal.SIGKILL)
+                    await orphan.wait()
+                raise
+        previous = self.clusters.get(name)
+        if previous is not None:
+            await self._kill(previous)
         resources = task.get("resources") or {}
         self.clusters[name] = FakeCluster(
             name=name,

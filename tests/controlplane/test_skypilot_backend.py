@@ -82,6 +82,16 @@ def make_spec(
     )
 
 
+async def bounded(step: Awaitable[None], what: str, within: float = 30.0) -> None:
+    """A teardown step that must end: on timeout, print every task's stack and fail."""
+    try:
+        await asyncio.wait_for(step, within)
+    except TimeoutError:
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        pytest.fail(f"{what} took more than {within}s (task stacks on stderr)")
+
+
 # -- names, URLs, the task ----------------------------------------------------------------------
 
 
@@ -186,7 +196,7 @@ def test_dynamic_fallback_placer_tries_preempted_locations_last() -> None:
 async def fake(tmp_path: Path) -> AsyncIterator[FakeSkyPilot]:
     sky = FakeSkyPilot(log_dir=tmp_path)
     yield sky
-    await sky.shutdown()
+    await bounded(sky.shutdown(), "shutting the fake SkyPilot down")
 
 
 @pytest.fixture
@@ -365,7 +375,7 @@ async def start_controller(
     start.stop = stop  # type: ignore[attr-defined]
     yield start
     for controller, _task in reversed(running):
-        await stop(controller)
+        await bounded(stop(controller), "stopping a controller")
 
 
 async def ready(store: Store, name: str, n: int, version: int | None = None) -> ops.ServiceView:
