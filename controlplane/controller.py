@@ -851,7 +851,9 @@ class Controller:
     def _backend(self, replica: ReplicaRecord) -> ReplicaBackend:
         backend = self._backends.get(replica.backend)
         if backend is None:
-            raise StoreError(f"replica {replica.id}: unknown backend {replica.backend!r}")
+            hint = " (start the controller with --backend skypilot)" if (
+                replica.backend == "skypilot") else ""  # fmt: skip
+            raise StoreError(f"replica {replica.id}: unknown backend {replica.backend!r}{hint}")
         return backend
 
     def _due(self, at: float) -> None:

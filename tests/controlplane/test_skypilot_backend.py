@@ -543,3 +543,16 @@ async def test_status_shows_infra_and_resources_columns(
     assert "INFRA" in text and "RESOURCES" in text
     assert "fake (fake-region-1, fake-zone-a)" in text
     assert "1x[Spot](fake-1x) $0.25/h" in text
+
+
+async def test_replica_preempt_simulation_tears_the_cluster_down_and_replaces_it(
+    store: Store, start_controller: StartController, fake: FakeSkyPilot
+) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(1, resources={"use_spot": True}))
+    await ready(store, "svc", 1)
+    await ops.preempt_replica(store, "svc", 1)
+    view = await ready(store, "svc", 1)
+    assert view.replicas[0].id == 2
+    await eventually(lambda: fake.names() == ["t-svc-r2-v1"], within=20, what="r1 torn down")
+    assert ("down", "t-svc-r1-v1") in fake.events
