@@ -851,8 +851,9 @@ class Controller:
     def _backend(self, replica: ReplicaRecord) -> ReplicaBackend:
         backend = self._backends.get(replica.backend)
         if backend is None:
-            hint = " (start the controller with --backend skypilot)" if (
-                replica.backend == "skypilot") else ""  # fmt: skip
+            hint = ""
+            if replica.backend == "skypilot":
+                hint = " (start the controller with --backend skypilot)"
             raise StoreError(f"replica {replica.id}: unknown backend {replica.backend!r}{hint}")
         return backend
 

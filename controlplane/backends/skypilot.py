@@ -51,6 +51,7 @@ from typing import Any, TextIO
 
 from controlplane.backends.base import BackendError, Launched, LaunchFailed
 from controlplane.backends.skypilot_sdk import (
+    INIT,
     UP,
     ClusterGone,
     ClusterInfo,
@@ -516,8 +517,15 @@ class SkyPilotBackend:
     # -- liveness ----------------------------------------------------------------------------
 
     def exited(self, handle: Handle) -> str | None:
-        """Why the replica's cluster is gone or not UP, per the last listing that began after
-        its launch; None while it is UP (or not listed since)."""
+        """Why the replica's cluster is gone or stopped, per the last listing that began after
+        its launch; None while it is UP, or INIT (SkyPilot's "unhealthy": the probes judge
+        an on-demand replica then), or not listed since."""
+        reason = self._not_up(handle)
+        if reason is not None and reason.endswith(f" is {INIT}"):
+            return None
+        return reason
+
+    def _not_up(self, handle: Handle) -> str | None:
         name = handle.get("cluster")
         if not isinstance(name, str):
             return "no cluster recorded"
@@ -538,7 +546,7 @@ class SkyPilotBackend:
         remembering where for `spot_placer: dynamic_fallback`; None otherwise."""
         if not handle.get("spot"):
             return None
-        reason = self.exited(handle)
+        reason = self._not_up(handle)  # Sky Serve: a spot cluster not UP was preempted
         if reason is not None:
             service = handle.get("service")
             place = location_of(handle)

@@ -556,3 +556,23 @@ async def test_replica_preempt_simulation_tears_the_cluster_down_and_replaces_it
     assert view.replicas[0].id == 2
     await eventually(lambda: fake.names() == ["t-svc-r2-v1"], within=20, what="r1 torn down")
     assert ("down", "t-svc-r1-v1") in fake.events
+
+
+async def test_cluster_states_as_liveness_and_preemption(
+    backend: SkyPilotBackend, fake: FakeSkyPilot
+) -> None:
+    on_demand = await backend.launch("svc", 1, 1, make_spec())
+    spot = await backend.launch("svc", 2, 1, make_spec(resources={"use_spot": True}), spot=True)
+    listings = fake.listings
+    fake.clusters["t-svc-r1-v1"].status = "INIT"  # SkyPilot's "unhealthy"
+    fake.clusters["t-svc-r2-v1"].status = "INIT"
+    await eventually(lambda: fake.listings >= listings + 2, within=5, what="a fresh listing")
+    assert backend.exited(on_demand.handle) is None  # the probes judge it
+    assert backend.preemption(on_demand.handle) is None  # not spot: never preempted
+    assert backend.preemption(spot.handle) == "cluster t-svc-r2-v1 is INIT"
+    await fake.stop("t-svc-r1-v1")
+    await fake.down("t-svc-r2-v1")
+    listings = fake.listings
+    await eventually(lambda: fake.listings >= listings + 2, within=5, what="a fresh listing")
+    assert backend.exited(on_demand.handle) == "cluster t-svc-r1-v1 is STOPPED"
+    assert backend.exited(spot.handle) == "cluster t-svc-r2-v1 is gone"
