@@ -13,6 +13,7 @@ test's fixture calls `shutdown()` to kill what is left.
 - status: UP / STOPPED / missing. A preempted cluster still shows UP until a
   refresh (`refresh=True`), like SkyPilot's cached status.
 - injected failures: `fail_launches` (SdkError per launch attempt, in order),
+  `fail_after_up` (the same, raised once the cluster is UP: a failed setup),
   `hang_launches` (a launch that never finishes until cancelled),
   `fail_downs` (that many `down` calls fail), `preempt(name)`, `stop(name)`.
 - `events`: what happened, in order: ("launch", name), ("up", name),
@@ -85,6 +86,7 @@ class FakeSkyPilot:
     endpoint_path: str = ""  # e.g. "/skypilot/ns/cluster": ingress-style URL endpoints
     fail_launches: list[SdkError] = field(default_factory=list)
     hang_launches: int = 0
+    fail_after_up: list[SdkError] = field(default_factory=list)  # e.g. setup failed
     fail_downs: int = 0
     clusters: dict[str, FakeCluster] = field(default_factory=dict)
     events: list[tuple[str, str]] = field(default_factory=list)
@@ -233,6 +235,8 @@ class FakeSkyPilot:
         if existing is not None and existing.status == UP and not existing.preempted:
             return  # sky.launch on an UP cluster reuses it
         await self._start(name, task)
+        if self.fail_after_up:
+            raise self.fail_after_up.pop(0)  # the machine is up: whoever launched must down it
 
     async def _start(self, name: str, task: dict[str, Any]) -> None:
         port = free_port()

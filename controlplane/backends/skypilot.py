@@ -376,6 +376,9 @@ class SkyPilotBackend:
         except SdkError as exc:
             await self._abandon(name, None)
             raise LaunchFailed(f"SkyPilot could not launch cluster {name}: {exc}") from exc
+        except Exception as exc:  # a bug here must not leave a machine running either
+            await self._abandon(name, request_id)
+            raise LaunchFailed(f"launching cluster {name} failed: {exc!r}") from exc
         except asyncio.CancelledError:
             await self._abandon(name, request_id)
             raise
@@ -435,12 +438,19 @@ class SkyPilotBackend:
 
     async def _abandon(self, name: str, request_id: str | None) -> None:
         """Cancel the launch request and ask SkyPilot to tear the cluster down, without
-        waiting for the teardown (bounded: this also runs on cancellation)."""
-        with contextlib.suppress(Exception):
+        waiting for the teardown (bounded: this also runs on cancellation). If SkyPilot
+        does not take the request, a background teardown keeps trying."""
+        try:
             async with asyncio.timeout(self._config.submit_timeout):
                 if request_id is not None:
                     await self._cancel_request(request_id)
                 await self.sdk.down(name, wait=False)
+        except ClusterGone:
+            pass
+        except Exception as exc:
+            log.warning("cluster %s: teardown after a failed launch: %s; retrying", name,
+                        exc or "timeout")  # fmt: skip
+            self._background_down(name)
 
     async def _cancel_request(self, request_id: str) -> None:
         with contextlib.suppress(Exception):
@@ -624,8 +634,14 @@ class SkyPilotBackend:
         suspects, self._suspects = self._suspects, set()
         prefix = cluster_prefix(self._config.namespace, "")
         listed = {c.name: c for c in await self.sdk.status() if c.name.startswith(prefix)}
+        fresh: dict[str, ClusterInfo] | None = None
         if suspects:
-            fresh = {c.name: c for c in await self.sdk.status(sorted(suspects), refresh=True)}
+            try:
+                forced = await self.sdk.status(sorted(suspects), refresh=True)
+                fresh = {c.name: c for c in forced}
+            except SdkError as exc:  # the listing above still counts
+                log.warning("skypilot: refreshing %s: %s", ", ".join(sorted(suspects)), exc)
+        if fresh is not None:
             for name in suspects:
                 if name in fresh:
                     listed[name] = fresh[name]

@@ -576,3 +576,13 @@ async def test_cluster_states_as_liveness_and_preemption(
     await eventually(lambda: fake.listings >= listings + 2, within=5, what="a fresh listing")
     assert backend.exited(on_demand.handle) == "cluster t-svc-r1-v1 is STOPPED"
     assert backend.exited(spot.handle) == "cluster t-svc-r2-v1 is gone"
+
+
+async def test_a_launch_failing_after_provisioning_never_leaves_the_machine(
+    backend: SkyPilotBackend, fake: FakeSkyPilot
+) -> None:
+    fake.fail_after_up = [SdkError("setup failed: pip install exited with code 1")]
+    fake.fail_downs = 1  # and the first teardown request is refused
+    with pytest.raises(Exception, match="setup failed: pip install exited with code 1"):
+        await backend.launch("svc", 1, 1, make_spec())
+    await eventually(lambda: fake.names() == [], within=10, what="the cluster torn down")
