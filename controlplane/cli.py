@@ -49,7 +49,7 @@ import msgspec
 from controlplane import ops
 from controlplane.controller import ControllerConfig, run_controller
 from controlplane.display import snapshot_text, status_text
-from controlplane.models import ReplicaRecord, UpdateMode, check_service_name
+from controlplane.models import Handle, ReplicaRecord, UpdateMode, check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import redact_url
@@ -303,6 +303,30 @@ def _check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
 # -- the group -------------------------------------------------------------------------------
 
 
+def _check_backend(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """`--backend skypilot` needs SkyPilot importable here: say so before anything starts."""
+    if value == "skypilot":
+        from controlplane.backends.skypilot_sdk import SkyPilotMissing, load_sky
+
+        try:
+            load_sky()
+        except SkyPilotMissing as exc:
+            raise click.ClickException(f"--backend skypilot: {exc}") from exc
+    return value
+
+
+_backend_option = click.option(
+    "--backend",
+    type=click.Choice(["local", "skypilot"]),
+    default="local",
+    show_default=True,
+    callback=_check_backend,
+    help="What new replicas run on: local processes, or one SkyPilot cluster each "
+    "(clouds, Kubernetes; needs `pip install 'sluice[skypilot]'`). Replicas keep the "
+    "backend they were launched with.",
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="sluice", prog_name="sluice")
 def cli() -> None:
@@ -341,6 +365,7 @@ def cli() -> None:
     show_default=True,
     help="On Ctrl-C, how long to wait for the controller to stop the replicas.",
 )
+@_backend_option
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
 @_env_options
 def run(
@@ -354,6 +379,7 @@ def run(
     state_dir: Path,
     drain_seconds: float,
     down_timeout: float,
+    backend: str,
     log_level: str,
     env: list[tuple[str, str]],
     env_file: dict[str, str],
@@ -385,6 +411,7 @@ def run(
         drain_seconds=drain_seconds,
         down_timeout=down_timeout,
         log_level=log_level.upper(),
+        backend=backend,
     )
     with _errors(redis_url):
         code = run_service(config)
@@ -815,7 +842,20 @@ def logs(
     ids = list(dict.fromkeys([*replica_ids, *replica_opts]))
     if ids:
         target = _target(redis_url, prefix, state_dir)
-        paths += [_replica_log(target, directory, name, i) for i in ids]
+        for replica_id in ids:
+            cluster = _skypilot_handle(target, name, replica_id)
+            if cluster is not None:
+                # SkyPilot streams a cluster's job log itself: one log per command.
+                if len(ids) > 1 or paths:
+                    raise click.UsageError(
+                        f"replica {replica_id} runs on SkyPilot: show its log on its own "
+                        f"(sluice logs {name} {replica_id})"
+                    )
+                code = 0
+                with _errors(target.url), contextlib.suppress(KeyboardInterrupt):
+                    code = _skypilot_logs(cluster, follow)
+                sys.exit(code)
+            paths.append(_replica_log(target, directory, name, replica_id))
     if not paths:
         raise click.UsageError("choose a log: --controller, --load-balancer, or replica IDs")
     for path in paths:
@@ -823,6 +863,34 @@ def logs(
             raise click.ClickException(f"no log at {path}")
     with contextlib.suppress(KeyboardInterrupt):
         _print_files(paths, follow=follow, tail=tail)
+
+
+def _skypilot_handle(target: Target, name: str, replica_id: int) -> Handle | None:
+    """The handle of replica `replica_id` when it runs on SkyPilot, else None."""
+
+    async def lookup(store: Store) -> ReplicaRecord | None:
+        return await store.replica(name, replica_id)
+
+    with contextlib.suppress(click.ClickException):
+        record = _with_store(target, lookup)
+        if record is not None and record.backend == "skypilot":
+            return record.handle
+    return None
+
+
+def _skypilot_logs(handle: Handle, follow: bool) -> int:
+    """Stream the replica cluster's job log with SkyPilot's SDK (`sky.tail_logs`)."""
+    from controlplane.backends.skypilot import stream_logs
+    from controlplane.backends.skypilot_sdk import SkyPilotClient
+
+    async def main() -> int:
+        sdk = SkyPilotClient()
+        try:
+            return await stream_logs(sdk, handle, follow=follow, out=sys.stdout)
+        finally:
+            await sdk.aclose()
+
+    return asyncio.run(main())
 
 
 def _replica_log(target: Target, state_dir: Path, name: str, replica_id: int) -> Path:
@@ -954,6 +1022,7 @@ def _seek_last_lines(fh: Any, lines: int) -> None:
     "controller exits (what `sluice run` asks); by default they keep running and "
     "the next controller adopts them.",
 )
+@_backend_option
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", show_default=True)
 def controller(
     redis_url: str | None,
@@ -965,6 +1034,7 @@ def controller(
     reconcile_interval: float,
     term_timeout: float,
     terminate_on_exit: bool,
+    backend: str,
     log_level: str,
 ) -> None:
     """Run the controller until SIGTERM: reconcile every service in Redis.
@@ -992,6 +1062,7 @@ def controller(
         reconcile_interval=reconcile_interval,
         term_timeout=term_timeout,
         terminate_on_close=terminate_on_exit,
+        backend=backend,
     )
     with _errors(target.url):
         _serve_controller(config)

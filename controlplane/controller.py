@@ -66,7 +66,13 @@ from controlplane.autoscaler import (
     QPS_WINDOW_SECONDS,
     fallback_plan,
 )
-from controlplane.backends.base import Launched, LaunchFailed, ReplicaBackend, TaskFailed
+from controlplane.backends.base import (
+    ClusterBackend,
+    Launched,
+    LaunchFailed,
+    ReplicaBackend,
+    TaskFailed,
+)
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.models import (
@@ -166,8 +172,9 @@ TargetFn = Callable[[ServiceRecord, ServiceSpec, Mapping[int, ReplicaRecord], fl
 
 
 def default_backends(config: ControllerConfig) -> dict[str, ReplicaBackend]:
-    """The backends a controller runs with unless given others: local and external."""
-    return {
+    """The backends a controller runs with unless given others: local and external, and
+    skypilot when it is `config.backend`."""
+    backends: dict[str, ReplicaBackend] = {
         "local": LocalBackend(
             config.state_dir,
             base_env=config.replica_env,
@@ -176,6 +183,13 @@ def default_backends(config: ControllerConfig) -> dict[str, ReplicaBackend]:
         ),
         "external": ExternalBackend(),
     }
+    if config.backend == "skypilot":
+        from controlplane.backends.skypilot import SkyPilotBackend, SkyPilotConfig
+
+        backends["skypilot"] = SkyPilotBackend(
+            SkyPilotConfig(namespace=config.prefix, base_dir=config.base_dir)
+        )
+    return backends
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +305,8 @@ class Controller:
         # service -> replica id -> (backend, handle) as of the last step: what
         # terminate_all stops when Redis is gone (sluice run's dies with it).
         self._fleet: dict[str, dict[int, tuple[ReplicaBackend, Handle]]] = {}
+        # Replica ids recorded per service in this step (for ClusterBackend.sweep).
+        self._recorded: dict[str, set[int]] = {}
         self._deadline: float | None = None
         self._started = False
 
@@ -301,6 +317,8 @@ class Controller:
         if self._started:
             return
         for backend in self._backends.values():
+            if isinstance(backend, ClusterBackend):
+                backend.watch(self.wake)
             await backend.start()
         await self._prober.start()
         self._started = True
@@ -446,6 +464,7 @@ class Controller:
         """Reconcile every service once. Raises the first error after trying them all."""
         async with self._lock:
             self._deadline = None
+            self._recorded = {}
             names = await self._store.services()
             first_error: Exception | None = None
             for name in names:
@@ -459,11 +478,16 @@ class Controller:
             self._forget_gone(set(names))
             if first_error is not None:
                 raise first_error
+            if all(name in self._recorded for name in names):
+                for backend in self._backends.values():
+                    if isinstance(backend, ClusterBackend):
+                        backend.sweep(self._recorded)
 
     async def _reconcile(self, name: str) -> None:
         for _ in range(_MAX_REPLANS):
             state = await self._store.read_state(name)
             if state is None:
+                self._recorded[name] = set()
                 return
             self._known.add(name)
             plan = await self._plan(name, state.record, dict(state.replicas))
@@ -476,6 +500,7 @@ class Controller:
                 self._fleet[name] = {
                     r.id: (self._backend(r), r.handle) for r in plan.table.values() if r.handle
                 }
+                self._recorded[name] = set(plan.table) | {r.id for r in launched}
             return
         log.warning("service %s: state kept changing; will retry next step", name)
 
@@ -612,7 +637,16 @@ class Controller:
         for replica in list(plan.table.values()):
             if replica.status not in PROBED or not replica.handle:
                 continue
-            reason = self._backend(replica).exited(replica.handle)
+            backend = self._backend(replica)
+            if replica.spot and isinstance(backend, ClusterBackend):
+                why = backend.preemption(replica.handle)
+                if why is not None:  # Sky Serve's rule: replaced, never counted as a failure
+                    preempted = msgspec.structs.replace(
+                        replica, status=ReplicaStatus.PREEMPTED, status_since=plan.now
+                    )
+                    plan.transition(Transition(preempted, "preempt", why))
+                    continue
+            reason = backend.exited(replica.handle)
             if reason is not None:
                 plan.transition(apply_exit(replica, reason, plan.now))
 
@@ -629,7 +663,10 @@ class Controller:
         for replica, probe in targets:
             result = results.get(replica.id)
             if result is not None:
-                can_fail = self._backend(replica).can_launch
+                backend = self._backend(replica)
+                if not result.ok and replica.handle and isinstance(backend, ClusterBackend):
+                    backend.suspect(replica.handle)
+                can_fail = backend.can_launch
                 plan.transition(apply_probe(replica, result, probe, plan.now, can_fail=can_fail))
             due = self._prober.next_due(
                 plan.name, replica.id, probe.endpoint_probe_interval_seconds
@@ -813,8 +850,13 @@ class Controller:
         for replica in launched:
             spec = await self._spec(plan.record, replica.version)
             backend = self._backends[replica.backend]
+            launch = (
+                backend.launch(name, replica.id, replica.version, spec, spot=replica.spot)
+                if isinstance(backend, ClusterBackend)
+                else backend.launch(name, replica.id, replica.version, spec)
+            )
             task = asyncio.create_task(
-                backend.launch(name, replica.id, replica.version, spec),
+                launch,
                 name=f"launch {name}/{replica.id}",
             )
             task.add_done_callback(lambda _t: self.wake())
@@ -879,7 +921,10 @@ class Controller:
     def _backend(self, replica: ReplicaRecord) -> ReplicaBackend:
         backend = self._backends.get(replica.backend)
         if backend is None:
-            raise StoreError(f"replica {replica.id}: unknown backend {replica.backend!r}")
+            hint = ""
+            if replica.backend == "skypilot":
+                hint = " (start the controller with --backend skypilot)"
+            raise StoreError(f"replica {replica.id}: unknown backend {replica.backend!r}{hint}")
         return backend
 
     def _due(self, at: float) -> None:

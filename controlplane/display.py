@@ -81,6 +81,8 @@ def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False
         str(r.version),
         r.url or _NONE,
         ago(r.launched_at, now),
+        r.infra or _NONE,
+        r.resources or _NONE,
         r.status,
     ]
     if verbose:
@@ -90,9 +92,11 @@ def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False
 
 
 def replicas_table(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
-    """Every replica of `views`: service, id, version, endpoint, launched, status;
-    `verbose` adds backend, accelerator, spot and when it was first ready."""
-    headers = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"]
+    """Every replica of `views`: Sky Serve's columns (service, id, version, endpoint,
+    launched, infra, resources, status); `verbose` adds backend, accelerator, spot and
+    when it was first ready."""
+    headers = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES",
+               "STATUS"]
     if verbose:
         headers += ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
     rows = [_replica_row(v.name, r, now, verbose) for v in views for r in v.replicas]
@@ -201,7 +205,8 @@ class LiveView:
             text += f"\n{view.launch_blocked}"
         if view.replicas:
             rows = [_replica_row(view.name, r, now)[1:] for r in view.replicas]
-            text += "\n" + table(["ID", "VERSION", "ENDPOINT", "LAUNCHED", "STATUS"], rows)
+            headers = ["ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES", "STATUS"]
+            text += "\n" + table(headers, rows)
         lines = text.split("\n")
         self.clear()
         self._out.write("\n".join(lines) + "\n")

@@ -28,6 +28,7 @@ import msgspec
 
 from controlplane.autoscaler import Autoscaler
 from controlplane.backends.local import check_fixed_port
+from controlplane.backends.skypilot import infra_text, resources_text
 from controlplane.models import (
     FAILED_REPLICA_STATUSES,
     AutoscalerStatus,
@@ -79,6 +80,8 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     first_ready_at: float | None
     accelerator: str | None = None
     spot: bool = False
+    infra: str | None = None  # where it runs, e.g. "AWS (us-east-1, us-east-1a)"; "local"
+    resources: str | None = None  # e.g. "1x[Spot](g6.xlarge, L4:1) $0.40/h" (SkyPilot)
 
 
 class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
@@ -496,6 +499,8 @@ async def _view(store: Store, name: str) -> ServiceView | None:
                 first_ready_at=r.first_ready_at,
                 accelerator=r.accelerator,
                 spot=r.spot,
+                infra=infra_text(r.handle) if r.backend == "skypilot" else r.backend,
+                resources=resources_text(r.handle) if r.backend == "skypilot" else None,
             )
             for r in replicas
         ],

@@ -103,6 +103,7 @@ class RunConfig:
     startup_timeout: float = 30.0  # for the proxy to listen
     refresh: float = 0.5  # seconds between status refreshes
     log_level: str = "INFO"
+    backend: str = "local"  # what the controller launches replicas with: local | skypilot
 
 
 class RunInfo(msgspec.Struct, kw_only=True):
@@ -488,7 +489,7 @@ class ServiceRun:
         argv = ["-m", "controlplane.cli", "controller", "--prefix", config.prefix,
                 "--state-dir", str(config.state_dir),
                 "--drain-seconds", f"{config.drain_seconds:g}",
-                "--log-level", config.log_level]  # fmt: skip
+                "--log-level", config.log_level, "--backend", config.backend]  # fmt: skip
         if self._redis is not None:
             # Our private Redis holds only this service: whatever the controller leaves
             # running when it exits is ours. (A shared Redis may hold other services.)

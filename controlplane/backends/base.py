@@ -16,8 +16,9 @@ Backends never touch Redis and never decide anything: the controller does.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from controlplane.models import Handle
 from controlplane.spec import ServiceSpec
@@ -76,3 +77,29 @@ class ReplicaBackend(Protocol):
 
     async def terminate(self, handle: Handle) -> None:
         """Stop the replica (gracefully first) and release what it held. Idempotent."""
+
+
+@runtime_checkable
+class ClusterBackend(ReplicaBackend, Protocol):
+    """A backend whose replicas are remote machines (SkyPilot): what the controller
+    additionally tells it and asks it. Every method but `launch` is cheap and non-blocking."""
+
+    async def launch(
+        self, service: str, replica_id: int, version: int, spec: ServiceSpec, *, spot: bool = False
+    ) -> Launched:
+        """As ReplicaBackend.launch; `spot=False` for a spot spec asks for an on-demand
+        replica (Sky Serve's on-demand fallback)."""
+
+    def watch(self, wake: Callable[[], None]) -> None:
+        """Call `wake` when what `exited` / `preemption` say may have changed."""
+
+    def preemption(self, handle: Handle) -> str | None:
+        """Why this spot replica counts as preempted (Sky Serve's rule), or None."""
+
+    def suspect(self, handle: Handle) -> None:
+        """A probe of the replica failed: look at its machine again soon."""
+
+    def sweep(self, recorded: Mapping[str, Collection[int]]) -> None:
+        """Tear down machines of this backend that no replica record owns.
+
+        `recorded`: every service -> the ids of all its replica records."""
