@@ -56,6 +56,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
+from proxy import redisurl
 from proxy.cli import proxy_command
 from proxy.errors import SluiceError
 
@@ -113,7 +114,8 @@ def _with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
 
 
 _REDIS_HELP = (
-    "Redis URL (redis://, rediss://, unix://; password allowed). Default: the Redis of a "
+    "Redis URL (redis://, rediss://, unix://, or redis+sentinel://host:port[,host:port...]"
+    "/service-name[/db]; password allowed). Default: the Redis of a "
     f"`sluice run` on --state-dir, else {DEFAULT_REDIS_URL}. Env: SLUICE_REDIS_URL."
 )
 
@@ -140,10 +142,21 @@ def _redis_options(
             help="Redis key prefix. Env: SLUICE_PREFIX.",
         )(command)
         return click.option(
-            "--redis", "redis_url", envvar="SLUICE_REDIS_URL", metavar="URL", help=redis_help
+            "--redis", "redis_url", envvar="SLUICE_REDIS_URL", metavar="URL", help=redis_help,
+            callback=check_redis_url,
         )(command)
 
     return decorate
+
+
+def check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    """Reject a malformed --redis before anything starts (one error naming what is wrong)."""
+    if url:
+        try:
+            redisurl.validate(url)
+        except redisurl.RedisURLError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return url
 
 
 def _state_dir(path: Path) -> Path:

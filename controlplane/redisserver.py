@@ -24,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import quote
@@ -62,7 +63,9 @@ class EmbeddedRedis:
     `port=None` picks a free 127.0.0.1 port; `unix_socket=True` listens on
     `{state_dir}/redis.sock` instead of TCP. `persist=True` turns on the
     append-only file with fsync on every write, so data survives a SIGKILL
-    (tests use it to kill and restart Redis under a subscriber).
+    (tests use it to kill and restart Redis under a subscriber). `options` adds
+    config directives (e.g. `("replicaof", "127.0.0.1 6379")`); `sentinel_config`
+    (lines of a sentinel.conf) runs it as a sentinel (`redis-server --sentinel`).
     """
 
     def __init__(
@@ -75,6 +78,8 @@ class EmbeddedRedis:
         persist: bool = False,
         binary: str | None = None,
         startup_timeout: float = 10.0,
+        options: Sequence[tuple[str, str]] = (),
+        sentinel_config: Sequence[str] | None = None,
     ) -> None:
         self._state_dir_arg = state_dir
         self._port_arg = port
@@ -83,6 +88,8 @@ class EmbeddedRedis:
         self._persist = persist
         self._binary = binary
         self._startup_timeout = startup_timeout
+        self._options = tuple(options)
+        self._sentinel_config = None if sentinel_config is None else tuple(sentinel_config)
         self._proc: subprocess.Popen[bytes] | None = None
         self._state_dir: Path | None = None
         self._owns_state_dir = False
@@ -218,8 +225,16 @@ class EmbeddedRedis:
         if self._password:
             options += [("requirepass", self._password)]
         argv = [self._binary or find_redis_server()]
+        if self._sentinel_config is not None:
+            # A sentinel rewrites its config file with what it learns; a restart reuses it.
+            conf = state_dir / "sentinel.conf"
+            if not conf.exists():
+                conf.write_text("".join(line + "\n" for line in self._sentinel_config))
+            argv += [str(conf), "--sentinel"]
         for name, value in options:
             argv += [f"--{name}", value]
+        for name, value in self._options:
+            argv += [f"--{name}", *value.split()]  # "127.0.0.1 6379": two arguments
         return argv
 
     def _spawn(self) -> None:

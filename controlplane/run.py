@@ -56,6 +56,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
+from proxy import redisurl
 from proxy.errors import SluiceError
 
 log = logging.getLogger("sluice.run")
@@ -505,10 +506,5 @@ def _last_line(path: Path) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    auth, at, host = rest.rpartition("@")
-    if not sep or not at:
-        return url
-    user = auth.partition(":")[0]
-    return f"{scheme}://{user + ':' if user else ':'}***@{host}"
+    """The URL without its passwords (incl. a sentinel URL's sentinel_password)."""
+    return redisurl.redact(url)

@@ -67,6 +67,7 @@ from controlplane.models import (
     encode_nudge,
 )
 from proxy.errors import SluiceError, SnapshotInvalid
+from proxy.redisurl import client_from_url
 from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
 
 log = logging.getLogger("sluice.store")
@@ -337,8 +338,10 @@ class Store:
         clock: Callable[[], float] = time.time,
         socket_timeout: float = 10.0,
     ) -> Store:
-        """A store with its own client for `url` (redis://, rediss://, unix://); no I/O yet."""
-        client = aioredis.Redis.from_url(
+        """A store with its own client for `url` (redis://, rediss://, unix://,
+        redis+sentinel://; see `proxy.redisurl`); no I/O yet. A malformed URL raises
+        RedisURLError (a ValueError) naming what is wrong."""
+        client = client_from_url(
             url,
             socket_connect_timeout=socket_timeout,
             socket_timeout=socket_timeout,

@@ -21,6 +21,7 @@ from proxy.app import ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
+from proxy.redisurl import RedisURLError, validate
 
 log = logging.getLogger("sluice.proxy")
 
@@ -48,6 +49,15 @@ def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
                                      param_hint="--target-qps")
         out[name] = value
     return out
+
+
+def _check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    if url:
+        try:
+            validate(url)
+        except RedisURLError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+    return url
 
 
 def run_proxy(config: ProxyConfig) -> None:
@@ -112,8 +122,9 @@ def supervise_workers(n: int, argv: list[str]) -> int:
                                  "max_content_width": 100})
 @click.option("--replicas", help="Static ready set: comma-separated replica URLs "
               "(http://host:port). One of --replicas, --redis or --controller-addr.")
-@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL",
-              help="Redis URL (redis:// or rediss://, password allowed) holding the ready set; "
+@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL", callback=_check_redis_url,
+              help="Redis URL (redis://, rediss://, unix:// or redis+sentinel://host:port[,...]"
+                   "/service-name[/db], password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
 @click.option("--service", help="Service name whose ready set to follow (with --redis).")
 @click.option("--redis-prefix", "--prefix", "redis_prefix", default="sluice", show_default=True,

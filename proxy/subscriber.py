@@ -54,6 +54,7 @@ from redis.backoff import NoBackoff
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
+from proxy.redisurl import RedisURLError, client_from_url
 from proxy.snapshot import decode_snapshot
 from proxy.stats import Stats
 
@@ -157,14 +158,14 @@ class RedisSource:
         if self._client is not None:
             raise RuntimeError("RedisSource already started")
         try:
-            self._client = aioredis.Redis.from_url(
+            self._client = client_from_url(
                 self._url,
                 socket_connect_timeout=self._connect_timeout,
                 socket_timeout=self._command_timeout,
                 # Reconnection is ours (backoff, re-GET); redis-py must not retry quietly.
                 retry=Retry(NoBackoff(), 0),
             )
-        except ValueError as exc:
+        except RedisURLError as exc:
             raise ConfigError(f"--redis: {exc}") from exc
         self._ready_set = ready_set
         self._flushed = self._stats.requests_total
