@@ -200,7 +200,13 @@ class SentinelGroup:
                 return False
             new_port = ports.pop()
             node = next((n for n in self.nodes if n.port == new_port), None)
-            return node is not None and self._info(node, "replication").get("role") == "master"
+            if node is None or self._info(node, "replication").get("role") != "master":
+                return False
+            # A demoted primary that is still up takes writes until the sentinels
+            # reconfigure it as a replica (they are lost then): wait for that too.
+            old = next((n for n in self.nodes if n.port == old_port), None)
+            return old is None or not old.running or (
+                self._info(old, "replication").get("role") == "slave")
 
         self._wait("a new primary", switched)
         return new_port

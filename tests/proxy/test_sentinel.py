@@ -1,0 +1,135 @@
+"""The proxy's Redis source behind Redis Sentinel: real primary, replica and sentinels.
+
+A failover (forced with SENTINEL FAILOVER, or by SIGKILL of the primary) must not
+empty the ready set; afterwards the source follows commits made on the new primary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.redissentinel import SentinelGroup
+from controlplane.store import Store, StoreUnavailable
+from proxy.config import ProxyConfig
+from proxy.readyset import ReadySet
+from proxy.snapshot import ReadySnapshot
+from proxy.stats import Stats
+from proxy.subscriber import RedisSource
+from tests.fixtures_redis import eventually
+
+pytestmark = pytest.mark.slow
+
+
+def replica(i: int) -> ReplicaRecord:
+    return ReplicaRecord(id=i, status=ReplicaStatus.READY, url=f"http://127.0.0.1:{22000 + i}")
+
+
+async def commit(store: Store, *ids: int) -> ReadySnapshot:
+    """Commit, riding over the connections a failover closes (the controller's loop
+    does the same on its next step)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30.0
+    while True:
+        try:
+            return await store.commit("svc", replica_updates=[replica(i) for i in ids])
+        except StoreUnavailable:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+class Watched:
+    """A real ReadySet that records, on every apply, whether it ever went empty."""
+
+    def __init__(self) -> None:
+        self.ready_set = ReadySet()
+        self.stats = Stats()
+        self.emptied = False
+
+    def check(self) -> None:
+        if self.ready_set.snapshot is not None and not self.ready_set.replicas:
+            self.emptied = True
+
+
+@pytest.fixture
+async def setup(
+    sentinel_factory: Callable[..., SentinelGroup], redis_prefix: str
+) -> AsyncIterator[tuple[SentinelGroup, Store, RedisSource, Watched]]:
+    group = sentinel_factory()
+    store = Store.from_url(group.url, prefix=redis_prefix, socket_timeout=2.0)
+    await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY), b"{}")
+    watched = Watched()
+    config = ProxyConfig(redis_url=group.url, service="svc", redis_prefix=redis_prefix)
+    # No periodic re-GET: after the failover only the reconnect's GET or a message
+    # can bring the proxy up to date.
+    source = RedisSource(config, watched.stats, resync_interval=600.0,
+                         backoff_initial=0.02, backoff_max=0.2)
+    await source.start(watched.ready_set)
+    try:
+        yield group, store, source, watched
+    finally:
+        await source.aclose()
+        watched.ready_set.close()
+        await store.aclose()
+
+
+async def _fail_over(group: SentinelGroup, how: str, watched: Watched) -> int:
+    """Run the (blocking) failover in a thread while checking the set stays non-empty."""
+    task: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(
+        group.failover if how == "sentinel-failover" else group.kill_primary))
+    while not task.done():
+        watched.check()
+        await asyncio.sleep(0.01)
+    port: int = task.result()
+    return port
+
+
+@pytest.mark.parametrize("how", ["sentinel-failover", "sigkill"])
+async def test_proxy_keeps_serving_and_follows_the_new_primary(
+    setup: tuple[SentinelGroup, Store, RedisSource, Watched], how: str
+) -> None:
+    group, store, source, watched = setup
+    first = await commit(store, 1, 2)
+    await eventually(lambda: watched.ready_set.generation == first.generation,
+                     what="the first snapshot")
+    old_port = group.primary_port()
+
+    new_port = await _fail_over(group, how, watched)
+
+    assert new_port != old_port
+    assert not watched.emptied
+    assert [r.url for r in watched.ready_set.replicas] == [replica(1).url, replica(2).url]
+    second = await commit(store, 1, 2, 3)  # on the new primary
+    await eventually(lambda: watched.ready_set.generation == second.generation,
+                     within=30.0, what="the commit made on the new primary")
+    assert len(watched.ready_set.replicas) == 3
+    await eventually(lambda: source.connected, what="the source reconnected")
+    third = await commit(store, 1, 3)  # and it follows by subscription from then on
+    await eventually(lambda: watched.ready_set.generation == third.generation,
+                     within=30.0, what="a second commit on the new primary")
+
+
+async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
+    setup: tuple[SentinelGroup, Store, RedisSource, Watched]
+) -> None:
+    group, store, source, watched = setup
+    first = await commit(store, 1)
+    await eventually(lambda: watched.ready_set.generation == first.generation)
+    # Stop the source (as if its connection were down), commit, then let it reconnect:
+    # only the reconnect's GET of the snapshot key can deliver the missed commit.
+    await source.aclose()
+    await asyncio.to_thread(group.failover)
+    missed = await commit(store, 1, 2)
+    config = ProxyConfig(redis_url=group.url, service="svc", redis_prefix=store.keys.prefix)
+    again = RedisSource(config, watched.stats, resync_interval=600.0)
+    try:
+        await again.start(watched.ready_set)
+        await eventually(lambda: watched.ready_set.generation == missed.generation,
+                         within=30.0, what="the missed commit")
+    finally:
+        await again.aclose()
