@@ -23,7 +23,11 @@ flush (`stats.requests_total`) to `{prefix}:svc:{name}:rps`, field = the unix
 second; a failed flush keeps the count for the next one. With the same tick it
 writes this proxy's in-flight requests per replica into
 `{prefix}:svc:{name}:inflight` (field = proxy id; the concurrency autoscaler
-sums the fresh entries). When a request is held because the set is empty, it
+sums the fresh entries), and its heartbeat into `{prefix}:svc:{name}:proxies`
+(field = proxy id: the generation it serves, when it applied it, the last 32
+applies): `sluice status` shows from it how far each proxy lags. Both hashes
+expire with the rps key when no proxy writes any more; readers prune entries
+whose heartbeat is stale. When a request is held because the set is empty, it
 publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
@@ -81,12 +85,18 @@ def inflight_key(prefix: str, service: str) -> str:
     return f"{prefix}:svc:{service}:inflight"
 
 
+def proxies_key(prefix: str, service: str) -> str:
+    """The hash of proxy heartbeats: proxy id -> generation served (= controlplane Keys.proxies)."""
+    return f"{prefix}:svc:{service}:proxies"
+
+
 def control_channel(prefix: str) -> str:
     """The controller's nudge channel (= controlplane Keys.control)."""
     return f"{prefix}:control"
 
 
 _INFLIGHT = msgspec.json.Encoder()
+_RECENT_APPLIES = 32
 
 
 class RedisSource:
@@ -121,6 +131,7 @@ class RedisSource:
         self._channel = ready_channel(config.redis_prefix, config.service)
         self._rps_key = rps_key(config.redis_prefix, config.service)
         self._inflight_key = inflight_key(config.redis_prefix, config.service)
+        self._proxies_key = proxies_key(config.redis_prefix, config.service)
         self._control = control_channel(config.redis_prefix)
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
         self._nudge = _INFLIGHT.encode({"service": config.service, "reason": "demand"})
@@ -146,6 +157,9 @@ class RedisSource:
         self._flush_failing = False
         self._applied_any = False
         self._rejected: deque[bytes] = deque(maxlen=16)  # digests of rejected payloads
+        # (generation, applied_at) of the last applies, sent with every heartbeat so a
+        # reader sees when each recent commit reached this proxy, not only the last one.
+        self._applies: deque[tuple[int, float]] = deque(maxlen=_RECENT_APPLIES)
 
     @property
     def connected(self) -> bool:
@@ -302,9 +316,11 @@ class RedisSource:
             return
         # The first snapshot loaded is however old it is; only later ones measure how
         # long a commit took to reach this proxy.
+        now = self._clock()
         if self._applied_any:
-            self._stats.propagation.observe(max(0.0, self._clock() - snapshot.published_at))
+            self._stats.propagation.observe(max(0.0, now - snapshot.published_at))
         self._applied_any = True
+        self._applies.append((snapshot.generation, now))
         log.debug(
             "service %s: applied generation %d (%d replicas) via %s",
             self._service,
@@ -364,6 +380,8 @@ class RedisSource:
                 pipe.expire(self._rps_key, self._rps_ttl)
             pipe.hset(self._inflight_key, self._proxy_id, self._inflight_payload(now))
             pipe.expire(self._inflight_key, self._rps_ttl)
+            pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
+            pipe.expire(self._proxies_key, self._rps_ttl)
             await pipe.execute()
         self._flushed = total
 
@@ -372,6 +390,18 @@ class RedisSource:
         per_replica = {r.url: r.inflight for r in self._ready_set.known.values() if r.inflight}
         return _INFLIGHT.encode(
             {"at": now, "total": sum(per_replica.values()), "replicas": per_replica})
+
+    def _heartbeat_payload(self, now: float) -> bytes:
+        """What `sluice status` reads to show convergence (controlplane ProxyHeartbeat)."""
+        assert self._ready_set is not None
+        ready_set = self._ready_set
+        return _INFLIGHT.encode({
+            "generation": ready_set.generation,
+            "applied_at": ready_set.applied_at,
+            "seen_at": now,
+            "connected": self._stats.source_connected == 1,
+            "recent": list(self._applies),
+        })
 
     # -- demand -------------------------------------------------------------------------------
 

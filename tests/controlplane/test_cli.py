@@ -846,3 +846,57 @@ def test_a_fixed_replica_port_allows_one_local_replica(
     # `sluice run`'s proxy cannot take the replica's port either.
     result = sluice("run", str(one), "--port", "8080", "--state-dir", str(tmp_path / "run"))
     assert_one_line_error(result, "--port 8080", "another --port")
+
+
+async def test_status_flags_a_proxy_lagging_behind(
+    redis_url: str, redis_prefix: str, store: Store
+) -> None:
+    from proxy.config import ProxyConfig
+    from proxy.readyset import ReadySet
+    from proxy.stats import Stats
+    from proxy.subscriber import RedisSource
+    from tests.fixtures_redis import eventually
+
+    ops_args = ["--redis", redis_url, "--prefix", redis_prefix]
+    up = await asyncio.to_thread(sluice, "up", str(ECHO), "-n", "echo", "-y", *ops_args)
+    assert up.exit_code == 0, up.output
+    ready = ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:23101")
+    first = await store.commit("echo", replica_updates=[ready])
+    sets, sources = [], []
+    for proxy_id in ("live", "stopped"):
+        config = ProxyConfig(redis_url=redis_url, service="echo", redis_prefix=redis_prefix,
+                             proxy_id=proxy_id)
+        ready_set = ReadySet()
+        source = RedisSource(config, Stats(), flush_interval=0.02)
+        await source.start(ready_set)
+        sets.append(ready_set)
+        sources.append(source)
+    try:
+        await eventually(lambda: all(s.generation == first.generation for s in sets))
+        await sources[1].aclose()  # its last heartbeat stays at the first generation
+        for port in (23102, 23103, 23104):
+            last = await store.commit("echo", replica_updates=[
+                ReplicaRecord(id=port - 23100, status=ReplicaStatus.READY,
+                              url=f"http://127.0.0.1:{port}")])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while (await store.read_proxies("echo"))["live"].generation != last.generation:
+            assert loop.time() < deadline, "the live proxy's heartbeat never caught up"
+            await asyncio.sleep(0.02)
+        result = await asyncio.to_thread(sluice, "status", "echo", "--json", *ops_args)
+        proxies = {p["id"]: p for p in json.loads(result.output)[0]["proxies"]}
+        assert proxies["live"]["generation"] == last.generation
+        assert not proxies["live"]["lagging"]
+        assert proxies["stopped"]["lag_generations"] == 3
+        assert proxies["stopped"]["lagging"]
+        loose = await asyncio.to_thread(sluice, "status", "echo", "--json",
+                                        "--max-lag-generations", "5",
+                                        "--max-lag-seconds", "3600", *ops_args)
+        assert not any(p["lagging"] for p in json.loads(loose.output)[0]["proxies"])
+        text = await asyncio.to_thread(sluice, "status", "echo", *ops_args)
+        assert "echo: 1 of 2 proxies lagging" in text.output
+        assert "LAGGING" in text.output
+    finally:
+        await sources[0].aclose()
+        for ready_set in sets:
+            ready_set.close()
