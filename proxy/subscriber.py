@@ -116,7 +116,9 @@ class RedisSource:
         resync_interval: float | None = None,
         flush_interval: float = 1.0,
         backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
+        # Short: a Redis failover takes a few seconds, and a proxy should follow the new
+        # primary within about a second of its promotion, not after a long backoff.
+        backoff_max: float = 1.0,
         connect_timeout: float = 2.0,
         start_timeout: float = 2.0,
         rps_ttl: int = 3600,
