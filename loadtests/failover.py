@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import socket
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -73,8 +76,9 @@ class FailoverStack(Stack):
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         for _ in range(CONTROLLERS):
             self.start_controller()
+        taken: set[int] = set()
         for i in range(PROXIES):
-            port, admin = free_port(), free_port()
+            port, admin = _listen_port(taken), _listen_port(taken)
             self.ports.append(port)
             self.admin_ports.append(admin)
             self.proxies.append(self.processes.spawn(
@@ -234,6 +238,26 @@ class FailoverStack(Stack):
             if int(body.get("replicas", -1)) != n:
                 return False
         return True
+
+
+def _listen_port(taken: set[int]) -> int:
+    """A free port below the ephemeral range: the 8 workers and their Redis clients open
+    many outgoing connections, and one of them may take a `free_port()` (an ephemeral
+    port) as its source port before the second worker binds it with SO_REUSEPORT
+    (seen: "address already in use", the worker restarted by its supervisor)."""
+    low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 20000), low)
+        if port in taken:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+    return free_port()
 
 
 def _spec(options: Options, replicas: int, revision: int = 1) -> Any:
