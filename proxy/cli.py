@@ -56,7 +56,8 @@ def _check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None
         try:
             validate(url)
         except RedisURLError as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
+            # One line (exit 1), as every other error of the CLI; no usage text.
+            raise click.ClickException(f"--redis: {exc}") from exc
     return url
 
 
