@@ -78,7 +78,8 @@ class FailoverStack(Stack):
             self.start_controller()
         taken: set[int] = set()
         for i in range(PROXIES):
-            port, admin = _listen_port(taken), _listen_port(taken)
+            # Worker i serves its admin listener on admin + i.
+            port, admin = _listen_port(taken), _listen_port(taken, span=WORKERS)
             self.ports.append(port)
             self.admin_ports.append(admin)
             self.proxies.append(self.processes.spawn(
@@ -216,9 +217,12 @@ class FailoverStack(Stack):
             "timelines": timelines,
         }
 
+    def _worker_admins(self) -> list[int]:
+        return [admin + i for admin in self.admin_ports for i in range(WORKERS)]
+
     async def _proxy_up(self) -> bool:
         assert self.http is not None
-        for admin in self.admin_ports:
+        for admin in self._worker_admins():
             try:
                 async with self.http.get(f"http://127.0.0.1:{admin}/healthz") as resp:
                     if resp.status != 200:
@@ -229,7 +233,7 @@ class FailoverStack(Stack):
 
     async def _proxy_routes(self, n: int) -> bool:
         assert self.http is not None
-        for admin in self.admin_ports:
+        for admin in self._worker_admins():
             try:
                 async with self.http.get(f"http://127.0.0.1:{admin}/readyz") as resp:
                     body = await resp.json()
@@ -240,24 +244,29 @@ class FailoverStack(Stack):
         return True
 
 
-def _listen_port(taken: set[int]) -> int:
-    """A free port below the ephemeral range: the 8 workers and their Redis clients open
-    many outgoing connections, and one of them may take a `free_port()` (an ephemeral
-    port) as its source port before the second worker binds it with SO_REUSEPORT
-    (seen: "address already in use", the worker restarted by its supervisor)."""
+def _listen_port(taken: set[int], span: int = 1) -> int:
+    """The first of `span` consecutive free ports, below the ephemeral range: worker i
+    listens for admin on admin + i, a port nobody checked, and an outgoing connection
+    of the many here may take an ephemeral one as its source port first (seen: a worker
+    failing with "address already in use", restarted by its supervisor)."""
     low, _ = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     for _ in range(1000):
-        port = random.randrange(max(1024, low - 20000), low)
-        if port in taken:
+        first = random.randrange(max(1024, low - 20000), low - span)
+        ports = range(first, first + span)
+        if taken.intersection(ports) or not all(_bindable(p) for p in ports):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
+        taken.update(ports)
+        return first
     return free_port()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _spec(options: Options, replicas: int, revision: int = 1) -> Any:

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
@@ -21,6 +22,8 @@ from proxy.snapshot import ReadySnapshot
 from proxy.stats import Stats
 from proxy.subscriber import RedisSource
 from tests.fixtures_redis import eventually
+from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
+from tests.proxy.harness import get_json, until
 
 pytestmark = pytest.mark.slow
 
@@ -133,3 +136,64 @@ async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
                          within=30.0, what="the missed commit")
     finally:
         await again.aclose()
+
+
+async def test_a_real_proxy_answers_every_request_through_a_failover(
+    sentinel_factory: Callable[..., SentinelGroup], redis_prefix: str,
+    replica_factory: ReplicaFactory, proxy_factory: ProxyFactory,
+) -> None:
+    """sluice-proxy (2 workers) given the sentinel URL: requests sent all through a
+    SIGKILL of the primary are answered; afterwards it routes to a replica committed on
+    the new primary."""
+    group = sentinel_factory()
+    one, two = await replica_factory.astart(2)
+    async with Store.from_url(group.url, prefix=redis_prefix, socket_timeout=2.0) as store:
+        await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY),
+                                     b"{}")
+        first = await commit_urls(store, [one.url])
+        proxy = await proxy_factory.astart(
+            "--redis", group.url, "--service", "svc", "--redis-prefix", redis_prefix,
+            workers=2, wait="health")
+        for admin in proxy.admin_urls:
+            await until(lambda a=admin: _generation(a), what="the first snapshot")
+        statuses: list[int] = []
+        failing = asyncio.ensure_future(asyncio.to_thread(group.kill_primary))
+        async with aiohttp.ClientSession() as session:
+            while not failing.done() or len(statuses) < 20:
+                async with session.get(proxy.url + "/health") as resp:
+                    statuses.append(resp.status)
+            await failing
+            assert statuses and all(s == 200 for s in statuses), statuses
+            second = await commit_urls(store, [one.url, two.url])
+            assert second.generation > first.generation
+            for admin in proxy.admin_urls:  # every worker follows the new primary
+                await until(lambda a=admin: _generation(a, second.generation), timeout=30,
+                            what="the commit made on the new primary")
+            seen = set()
+            for _ in range(20):
+                async with session.get(proxy.url + "/health") as resp:
+                    assert resp.status == 200
+                    seen.add(resp.headers.get("X-Replica-Id"))
+            assert len(seen) == 2
+
+
+async def commit_urls(store: Store, urls: list[str]) -> ReadySnapshot:
+    records = [ReplicaRecord(id=i, status=ReplicaStatus.READY, url=url)
+               for i, url in enumerate(urls, start=1)]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30.0
+    while True:
+        try:
+            return await store.commit("svc", replica_updates=records)
+        except StoreUnavailable:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+async def _generation(admin_url: str, at_least: int = 1) -> bool:
+    try:
+        status, body = await get_json(admin_url + "/snapshot")
+    except (aiohttp.ClientError, OSError):
+        return False
+    return status == 200 and body["generation"] >= at_least and body["applied_at"] is not None
