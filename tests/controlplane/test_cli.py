@@ -858,8 +858,18 @@ async def test_status_flags_a_proxy_lagging_behind(
     from tests.fixtures_redis import eventually
 
     ops_args = ["--redis", redis_url, "--prefix", redis_prefix]
-    up = await asyncio.to_thread(sluice, "up", str(ECHO), "-n", "echo", "-y", *ops_args)
-    assert up.exit_code == 0, up.output
+
+    async def run_sluice(*args: str) -> str:
+        """The real `sluice` in a subprocess (CliRunner swaps sys.stdout: not from a thread
+        while this loop runs)."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "controlplane.cli", *args, *ops_args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    await run_sluice("up", str(ECHO), "-n", "echo", "-y")
     ready = ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:23101")
     first = await store.commit("echo", replica_updates=[ready])
     sets, sources = [], []
@@ -883,19 +893,18 @@ async def test_status_flags_a_proxy_lagging_behind(
         while (await store.read_proxies("echo"))["live"].generation != last.generation:
             assert loop.time() < deadline, "the live proxy's heartbeat never caught up"
             await asyncio.sleep(0.02)
-        result = await asyncio.to_thread(sluice, "status", "echo", "--json", *ops_args)
-        proxies = {p["id"]: p for p in json.loads(result.output)[0]["proxies"]}
+        result = await run_sluice("status", "echo", "--json")
+        proxies = {p["id"]: p for p in json.loads(result)[0]["proxies"]}
         assert proxies["live"]["generation"] == last.generation
         assert not proxies["live"]["lagging"]
         assert proxies["stopped"]["lag_generations"] == 3
         assert proxies["stopped"]["lagging"]
-        loose = await asyncio.to_thread(sluice, "status", "echo", "--json",
-                                        "--max-lag-generations", "5",
-                                        "--max-lag-seconds", "3600", *ops_args)
-        assert not any(p["lagging"] for p in json.loads(loose.output)[0]["proxies"])
-        text = await asyncio.to_thread(sluice, "status", "echo", *ops_args)
-        assert "echo: 1 of 2 proxies lagging" in text.output
-        assert "LAGGING" in text.output
+        loose = await run_sluice("status", "echo", "--json", "--max-lag-generations", "5",
+                                 "--max-lag-seconds", "3600")
+        assert not any(p["lagging"] for p in json.loads(loose)[0]["proxies"])
+        text = await run_sluice("status", "echo")
+        assert "echo: 1 of 2 proxies lagging" in text
+        assert "LAGGING" in text
     finally:
         await sources[0].aclose()
         for ready_set in sets:
