@@ -118,24 +118,34 @@ async def test_proxy_keeps_serving_and_follows_the_new_primary(
 
 
 async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
-    setup: tuple[SentinelGroup, Store, RedisSource, Watched]
+    sentinel_factory: Callable[..., SentinelGroup], redis_prefix: str
 ) -> None:
-    group, store, source, watched = setup
-    first = await commit(store, 1)
-    await eventually(lambda: watched.ready_set.generation == first.generation)
-    # Stop the source (as if its connection were down), commit, then let it reconnect:
-    # only the reconnect's GET of the snapshot key can deliver the missed commit.
-    await source.aclose()
-    await asyncio.to_thread(group.failover)
-    missed = await commit(store, 1, 2)
-    config = ProxyConfig(redis_url=group.url, service="svc", redis_prefix=store.keys.prefix)
-    again = RedisSource(config, watched.stats, resync_interval=600.0)
-    try:
-        await again.start(watched.ready_set)
-        await eventually(lambda: watched.ready_set.generation == missed.generation,
-                         within=30.0, what="the missed commit")
-    finally:
-        await again.aclose()
+    group = sentinel_factory()
+    async with Store.from_url(group.url, prefix=redis_prefix, socket_timeout=2.0) as store:
+        await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY),
+                                     b"{}")
+        first = await commit(store, 1)
+        watched = Watched()
+        config = ProxyConfig(redis_url=group.url, service="svc", redis_prefix=redis_prefix)
+        # A long backoff (2.5-5 s after the first failure) and no periodic re-GET: the
+        # commit below lands while the source is disconnected, and only the GET after
+        # its reconnect can deliver it.
+        source = RedisSource(config, watched.stats, resync_interval=600.0,
+                             backoff_initial=5.0, backoff_max=5.0)
+        await source.start(watched.ready_set)
+        try:
+            await eventually(lambda: watched.ready_set.generation == first.generation)
+            # The sentinels close the demoted primary's clients: the source's too.
+            await asyncio.to_thread(group.failover)
+            await eventually(lambda: not source.connected, what="the source to disconnect")
+            missed = await commit(store, 1, 2)
+            assert not source.connected  # published while nobody of ours was subscribed
+            await eventually(lambda: watched.ready_set.generation == missed.generation,
+                             within=30.0, what="the missed commit")
+            assert len(watched.ready_set.replicas) == 2
+        finally:
+            await source.aclose()
+            watched.ready_set.close()
 
 
 async def test_a_real_proxy_answers_every_request_through_a_failover(
