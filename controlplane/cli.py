@@ -56,8 +56,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
-from proxy import redisurl
-from proxy.cli import proxy_command
+from proxy.cli import check_redis_url, proxy_command
 from proxy.errors import SluiceError
 
 T = TypeVar("T")
@@ -147,17 +146,6 @@ def _redis_options(
         )(command)
 
     return decorate
-
-
-def check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
-    """Reject a malformed --redis before anything starts (one error naming what is wrong)."""
-    if url:
-        try:
-            redisurl.validate(url)
-        except redisurl.RedisURLError as exc:
-            # One line (exit 1), as every other error of the CLI; no usage text.
-            raise click.ClickException(f"--redis: {exc}") from exc
-    return url
 
 
 def _state_dir(path: Path) -> Path:

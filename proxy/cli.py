@@ -51,7 +51,8 @@ def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+def check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    """Reject a malformed --redis before anything starts (shared by `sluice`)."""
     if url:
         try:
             validate(url)
@@ -123,7 +124,7 @@ def supervise_workers(n: int, argv: list[str]) -> int:
                                  "max_content_width": 100})
 @click.option("--replicas", help="Static ready set: comma-separated replica URLs "
               "(http://host:port). One of --replicas, --redis or --controller-addr.")
-@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL", callback=_check_redis_url,
+@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL", callback=check_redis_url,
               help="Redis URL (redis://, rediss://, unix:// or redis+sentinel://host:port[,...]"
                    "/service-name[/db], password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
