@@ -686,6 +686,36 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     assert "Traceback" not in output
 
 
+@pytest.mark.slow
+def test_run_with_a_sentinel_url_serves_and_stops(
+    tmp_path: Path, sentinel_factory: Any, redis_prefix: str
+) -> None:
+    """`sluice run --redis redis+sentinel://...`: its controller and proxy both get the
+    sentinel URL, the service serves, Ctrl-C stops it (the sentinels' Redis stays)."""
+    group = sentinel_factory()
+    state, port = tmp_path / "state", free_port()
+    log = tmp_path / "run.log"
+    argv = ["run", str(ECHO), "--redis", group.url, "--prefix", redis_prefix,
+            "--state-dir", str(state), "--host", HOST, "--port", str(port),
+            "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
+    with _process(argv, log) as proc:
+        _wait_http_200(proc, port, log, within=60)
+        info = json.loads((state / "run.json").read_text())
+        assert info["redis_url"] == group.url
+        assert "redis" not in info["pids"]  # no embedded redis-server
+        status = CliRunner().invoke(cli, ["status", "echo", "--json", "--state-dir", str(state)])
+        assert status.exit_code == 0, status.output
+        assert json.loads(status.stdout)[0]["ready"] == 2
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+    output = log.read_text()
+    assert code == 0, output
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize("extra", [[], ["--tail", "1", "--follow"]])
 def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     state = tmp_path / "st"
