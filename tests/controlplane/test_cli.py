@@ -920,8 +920,11 @@ async def test_status_flags_a_proxy_lagging_behind(
                               url=f"http://127.0.0.1:{port}")])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 5.0
-        while (await store.read_proxies("echo"))["live"].generation != last.generation:
-            assert loop.time() < deadline, "the live proxy's heartbeat never caught up"
+        while True:  # both heartbeats written, the live one at the last generation
+            beats = await store.read_proxies("echo")
+            if set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation:
+                break
+            assert loop.time() < deadline, f"the heartbeats never caught up: {beats}"
             await asyncio.sleep(0.02)
         result = await run_sluice("status", "echo", "--json")
         proxies = {p["id"]: p for p in json.loads(result)[0]["proxies"]}
