@@ -60,7 +60,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
-from proxy.cli import proxy_command
+from proxy.cli import check_redis_url, proxy_command
 from proxy.errors import SluiceError
 
 T = TypeVar("T")
@@ -119,7 +119,8 @@ def _with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
 
 
 _REDIS_HELP = (
-    "Redis URL (redis://, rediss://, unix://; password allowed). Default: the Redis of a "
+    "Redis URL (redis://, rediss://, unix://, or redis+sentinel://host:port[,host:port...]"
+    "/service-name[/db]; password allowed). Default: the Redis of a "
     f"`sluice run` on --state-dir, else {DEFAULT_REDIS_URL}. Env: SLUICE_REDIS_URL."
 )
 
@@ -156,7 +157,8 @@ def _redis_options(
             help="Redis key prefix. Env: SLUICE_PREFIX.",
         )(command)
         return click.option(
-            "--redis", "redis_url", envvar="SLUICE_REDIS_URL", metavar="URL", help=redis_help
+            "--redis", "redis_url", envvar="SLUICE_REDIS_URL", metavar="URL", help=redis_help,
+            callback=check_redis_url,
         )(command)
 
     return decorate
@@ -607,17 +609,27 @@ def _handles(replicas: list[ReplicaRecord]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the services as JSON.")
 @click.option("--endpoint", is_flag=True, help="Print only the endpoint of the service "
               "(NAME, or the only service there is).")  # fmt: skip
+@click.option("--max-lag-generations", type=click.IntRange(0), default=2, show_default=True,
+              help="Flag a proxy more than this many generations behind Redis.")
+@click.option("--max-lag-seconds", type=click.FloatRange(0), default=5.0, show_default=True,
+              help="Flag a proxy behind (or silent) for longer than this.")
 @_redis_options()
 def status(
     names: tuple[str, ...],
     verbose: bool,
     as_json: bool,
     endpoint: bool,
+    max_lag_generations: int,
+    max_lag_seconds: float,
     redis_url: str | None,
     prefix: str,
     state_dir: Path,
 ) -> None:
-    """Show services (all, or the NAMEs) and their replicas.
+    """Show services (all, or the NAMEs), their replicas, and the proxies following them.
+
+    Each proxy process (each worker) heartbeats the generation it serves into Redis
+    every second; one lagging more than --max-lag-generations behind, or behind or
+    silent for more than --max-lag-seconds, is flagged LAGGING.
 
     \b
     Examples:
@@ -628,10 +640,13 @@ def status(
     """
     target = _target(redis_url, prefix, state_dir)
 
+    lag = ops.LagLimits(max_lag_generations, max_lag_seconds)
+
     async def views_of(store: Store) -> list[ops.ServiceView]:
         if not names:
-            return await ops.status(store, None)
-        return [view for name in dict.fromkeys(names) for view in await ops.status(store, name)]
+            return await ops.status(store, None, lag=lag)
+        return [view for name in dict.fromkeys(names)
+                for view in await ops.status(store, name, lag=lag)]
 
     views = _with_store(target, views_of)
     if endpoint:

@@ -120,6 +120,22 @@ def scaling_line(view: ServiceView) -> str:
     return line
 
 
+def proxies_table(views: Sequence[ServiceView], now: float) -> str:
+    """One row per proxy process: the generation it serves, since when, how far behind."""
+    rows = []
+    for view in views:
+        for p in view.proxies:
+            lag = "-" if not p.lag_generations else (
+                f"{p.lag_generations} gen, {p.lag_seconds:.1f}s")
+            rows.append([
+                view.name, p.id, str(p.generation), lag, ago(p.applied_at, now),
+                ago(p.seen_at, now), "yes" if p.connected else "NO",
+                "LAGGING" if p.lagging else "ok",
+            ])
+    return table(["SERVICE", "PROXY", "GENERATION", "BEHIND", "APPLIED", "HEARTBEAT",
+                  "REDIS", "STATE"], rows)
+
+
 def status_text(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
     """What `sluice status` prints: the services, why any stopped launching, the replicas
     (`verbose`: `sluice status -v`, more columns)."""
@@ -128,6 +144,11 @@ def status_text(views: Sequence[ServiceView], now: float, *, verbose: bool = Fal
     parts = ["Services", services_table(views, now, verbose=verbose)]
     notes = [f"{v.name}: {scaling_line(v)}" for v in views if v.autoscaling]
     notes += [f"{v.name}: {v.launch_blocked}" for v in views if v.launch_blocked]
+    for v in views:
+        lagging = sum(1 for p in v.proxies if p.lagging)
+        if lagging:
+            notes.append(f"{v.name}: {lagging} of {len(v.proxies)} proxies lagging behind "
+                         f"generation {v.generation}")
     if notes:
         parts += ["", *notes]
     parts += ["", "Service Replicas"]
@@ -135,6 +156,8 @@ def status_text(views: Sequence[ServiceView], now: float, *, verbose: bool = Fal
         parts.append(replicas_table(views, now, verbose=verbose))
     else:
         parts.append("No replicas.")
+    if any(v.proxies for v in views):
+        parts += ["", "Proxies", proxies_table(views, now)]
     return "\n".join(parts)
 
 

@@ -179,6 +179,17 @@ class InflightEntry(msgspec.Struct, frozen=True, kw_only=True):
     replicas: dict[str, int] = {}  # replica URL -> requests in flight there
 
 
+class ProxyHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
+    """One proxy process's heartbeat, a field of `{prefix}:svc:{name}:proxies` (written
+    by the proxy every second; times are its wall clock)."""
+
+    generation: int = -1  # the snapshot generation it serves (-1: none yet)
+    applied_at: float = 0.0  # when it applied that generation
+    seen_at: float = 0.0  # when it wrote this heartbeat
+    connected: bool = False  # subscribed and in sync with Redis
+    recent: list[tuple[int, float]] = []  # (generation, applied_at) of its last applies
+
+
 class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The controller's last autoscaling decision for a service, for `sluice status`.
 

@@ -23,6 +23,7 @@ import asyncio
 import fnmatch
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -84,6 +85,33 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     resources: str | None = None  # e.g. "1x[Spot](g6.xlarge, L4:1) $0.40/h" (SkyPilot)
 
 
+class ProxyView(msgspec.Struct, frozen=True, kw_only=True):
+    """One proxy process (its heartbeat) as `sluice status` shows it.
+
+    `lag_generations` is how many commits it is behind the generation in Redis;
+    `lag_seconds` how long the newest commit it has not applied has been published
+    (0 when up to date). `lagging` when either is over the status thresholds, or
+    its heartbeat is older than the seconds threshold (it stopped reporting)."""
+
+    id: str
+    generation: int
+    applied_at: float
+    seen_at: float
+    connected: bool
+    lag_generations: int
+    lag_seconds: float
+    lagging: bool
+
+
+@dataclass(frozen=True)
+class LagLimits:
+    """When `sluice status` flags a proxy: more than `generations` behind, or behind
+    (or silent) for more than `seconds`."""
+
+    generations: int = 2
+    seconds: float = 5.0
+
+
 class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
     """One service as `sluice status` shows it (Sky Serve's columns and a bit more).
 
@@ -115,6 +143,8 @@ class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
     autoscaling: str | None = None
     target: int | None = None
     autoscaler: AutoscalerStatus | None = None
+    # Every live proxy process's heartbeat (sorted by id), with its lag.
+    proxies: list[ProxyView] = []
 
 
 async def up(
@@ -389,15 +419,18 @@ async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
     await store.nudge(name)
 
 
-async def status(store: Store, name: str | None = None) -> list[ServiceView]:
-    """Views of service `name`, or of every service (sorted by name) when None.
+async def status(
+    store: Store, name: str | None = None, *, lag: LagLimits | None = None
+) -> list[ServiceView]:
+    """Views of service `name`, or of every service (sorted by name) when None; proxies
+    lagging beyond `lag` (default LagLimits()) are flagged.
 
     Raises ServiceNotFound when `name` is given and not registered.
     """
     names = [name] if name is not None else await store.services()
     views = []
     for service in names:
-        view = await _view(store, service)
+        view = await _view(store, service, lag or LagLimits())
         if view is None:
             if name is not None:
                 raise ServiceNotFound(f"no service {name!r}")
@@ -423,7 +456,7 @@ async def wait_for(
     try:
         async with asyncio.timeout(timeout):
             while True:
-                last = await _view(store, name)
+                last = await _view(store, name, LagLimits())
                 if last is not None and predicate(last):
                     return last
                 await asyncio.sleep(interval)
@@ -445,7 +478,32 @@ async def _record(store: Store, name: str) -> ServiceRecord:
     return record
 
 
-async def _view(store: Store, name: str) -> ServiceView | None:
+async def _proxies(store: Store, name: str, generation: int, lag: LagLimits) -> list[ProxyView]:
+    beats = await store.read_proxies(name)
+    if not beats:
+        return []
+    snapshot = await store.snapshot(name)
+    published_at = snapshot.published_at if snapshot is not None else 0.0
+    now = time.time()
+    views = []
+    for proxy_id, beat in beats.items():
+        behind = max(0, generation - beat.generation)
+        lag_seconds = max(0.0, now - published_at) if behind else 0.0
+        silent = now - beat.seen_at > lag.seconds
+        views.append(ProxyView(
+            id=proxy_id,
+            generation=beat.generation,
+            applied_at=beat.applied_at,
+            seen_at=beat.seen_at,
+            connected=beat.connected,
+            lag_generations=behind,
+            lag_seconds=lag_seconds,
+            lagging=behind > lag.generations or lag_seconds > lag.seconds or silent,
+        ))
+    return views
+
+
+async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     state = await store.read_state(name)
     if state is None:
         return None
@@ -509,4 +567,5 @@ async def _view(store: Store, name: str) -> ServiceView | None:
         autoscaling=autoscaling,
         target=target,
         autoscaler=decision,
+        proxies=await _proxies(store, name, state.generation, lag),
     )

@@ -31,6 +31,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -80,7 +81,9 @@ class EmbeddedRedis:
     `port=None` picks a free 127.0.0.1 port; `unix_socket=True` listens on
     `{state_dir}/redis.sock` instead of TCP. `persist=True` turns on the
     append-only file with fsync on every write, so data survives a SIGKILL
-    (tests use it to kill and restart Redis under a subscriber).
+    (tests use it to kill and restart Redis under a subscriber). `options` adds
+    config directives (e.g. `("replicaof", "127.0.0.1 6379")`); `sentinel_config`
+    (lines of a sentinel.conf) runs it as a sentinel (`redis-server --sentinel`).
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class EmbeddedRedis:
         tls: RedisTls | None = None,
         binary: str | None = None,
         startup_timeout: float = 10.0,
+        options: Sequence[tuple[str, str]] = (),
+        sentinel_config: Sequence[str] | None = None,
     ) -> None:
         self._state_dir_arg = state_dir
         self._port_arg = port
@@ -103,6 +108,8 @@ class EmbeddedRedis:
         self._tls = tls
         self._binary = binary
         self._startup_timeout = startup_timeout
+        self._options = tuple(options)
+        self._sentinel_config = None if sentinel_config is None else tuple(sentinel_config)
         self._proc: subprocess.Popen[bytes] | None = None
         self._state_dir: Path | None = None
         self._owns_state_dir = False
@@ -248,7 +255,12 @@ class EmbeddedRedis:
             options += [("port", str(self._port)), ("bind", "127.0.0.1")]
         if self._password:
             options += [("requirepass", self._password)]
-        return "".join(f"{name} {_quote(value)}\n" for name, value in options)
+        lines = [f"{name} {_quote(value)}" for name, value in options]
+        # Extra directives as given: `replicaof 127.0.0.1 6379` takes two arguments.
+        lines += [f"{name} {value}" for name, value in self._options]
+        if self._sentinel_config is not None:
+            lines += self._sentinel_config
+        return "".join(line + "\n" for line in lines)
 
     def _spawn(self) -> None:
         if self._unix_socket and self.socket_path is not None:
@@ -256,10 +268,19 @@ class EmbeddedRedis:
                 self.socket_path.unlink()
         log_path = self.state_dir / "redis.log"
         log_offset = log_path.stat().st_size if log_path.exists() else 0
-        config = self.state_dir / "redis.conf"
-        write_private(config, self._config().encode())
+        argv = [self._binary or find_redis_server()]
+        if self._sentinel_config is not None:
+            # A sentinel rewrites its config file with what it learns; a restart reuses it.
+            config = self.state_dir / "sentinel.conf"
+            if not config.exists():
+                write_private(config, self._config().encode())
+            argv += [str(config), "--sentinel"]
+        else:
+            config = self.state_dir / "redis.conf"
+            write_private(config, self._config().encode())
+            argv += [str(config)]
         proc = subprocess.Popen(
-            [self._binary or find_redis_server(), str(config)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

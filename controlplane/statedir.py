@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
+from proxy import redisurl
+
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
@@ -88,9 +90,6 @@ def _rebuild(url: str, netloc: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """The URL with `***` for its password (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.netloc.rpartition("@")[0].partition(":")[0]
-    return _rebuild(url, f"{user}:***@{parts.netloc.rpartition('@')[2]}")
+    """The URL with `***` for its passwords (for messages and logs), incl. a sentinel
+    URL's `sentinel_password`."""
+    return redisurl.redact(url)

@@ -12,6 +12,8 @@ Keys (prefix configurable, default `sluice`; `Keys` names each one):
     {p}:svc:{name}:ready          channel  every new ReadySnapshot
     {p}:svc:{name}:rps            hash     unix second -> request count (proxies HINCRBY)
     {p}:svc:{name}:inflight       hash     proxy id -> InflightEntry JSON (proxies write)
+    {p}:svc:{name}:proxies        hash     proxy id -> ProxyHeartbeat JSON (proxies write,
+                                           every second; stale ones pruned by readers)
     {p}:svc:{name}:autoscaler     string   last AutoscalerStatus (JSON; controller writes)
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
@@ -71,6 +73,7 @@ from controlplane.models import (
     Event,
     InflightEntry,
     Nudge,
+    ProxyHeartbeat,
     ReplicaRecord,
     ServiceRecord,
     ServiceState,
@@ -80,6 +83,7 @@ from controlplane.models import (
     encode_nudge,
 )
 from proxy.errors import SluiceError, SnapshotInvalid
+from proxy.redisurl import client_from_url
 from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
 from proxy.subscriber import redis_tls_options
 
@@ -190,6 +194,10 @@ class Keys:
         """Hash proxy id -> in-flight counts."""
         return f"{self.prefix}:svc:{name}:inflight"
 
+    def proxies(self, name: str) -> str:
+        """Hash proxy id -> ProxyHeartbeat JSON (each proxy process writes its own)."""
+        return f"{self.prefix}:svc:{name}:proxies"
+
     def autoscaler(self, name: str) -> str:
         """String holding the controller's last AutoscalerStatus JSON."""
         return f"{self.prefix}:svc:{name}:autoscaler"
@@ -217,6 +225,7 @@ _SERVICE_FIELDS: dict[str, msgspec.json.Decoder[Any] | None] = {
 _ENCODER = msgspec.json.Encoder()
 _REPLICA_DECODER = msgspec.json.Decoder(ReplicaRecord)
 _INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
+_HEARTBEAT_DECODER = msgspec.json.Decoder(ProxyHeartbeat)
 _AUTOSCALER_DECODER = msgspec.json.Decoder(AutoscalerStatus)
 
 
@@ -369,10 +378,12 @@ class Store:
         ca_file: str | None = None,
         fence: str | None = None,
     ) -> Store:
-        """A store with its own client for `url` (redis://, rediss://, unix://); no I/O yet.
-        `ca_file`: the CA that signed a rediss:// server's certificate (None: the
-        system's); raises ConfigError when given for a URL without TLS."""
-        client = aioredis.Redis.from_url(
+        """A store with its own client for `url` (redis://, rediss://, unix://,
+        redis+sentinel://; see `proxy.redisurl`); no I/O yet. A malformed URL raises
+        RedisURLError (a ValueError) naming what is wrong. `ca_file`: the CA that signed
+        a rediss:// server's certificate (None: the system's); raises ConfigError when
+        given for a URL without TLS."""
+        client = client_from_url(
             url,
             socket_connect_timeout=socket_timeout,
             socket_timeout=socket_timeout,
@@ -797,6 +808,37 @@ class Store:
             except (msgspec.ValidationError, msgspec.DecodeError):
                 log.warning("service %s: ignoring an invalid in-flight entry", name)
         return entries
+
+    async def read_proxies(
+        self, name: str, *, stale_after: float = 30.0
+    ) -> dict[str, ProxyHeartbeat]:
+        """Every live proxy's heartbeat (proxy id -> ProxyHeartbeat), sorted by id.
+
+        Entries not refreshed for `stale_after` seconds are proxies that stopped:
+        they are deleted here, so the hash holds about one entry per live proxy process
+        (a live one whose entry raced the delete writes it again within a second). An
+        entry that fails to decode is skipped.
+        """
+        key = self.keys.proxies(name)
+        now = self._clock()
+        with self._errors():
+            raw = await self._redis.hgetall(key)
+        beats: dict[str, ProxyHeartbeat] = {}
+        stale: list[bytes | str] = []
+        for proxy_id, value in raw.items():
+            try:
+                beat = _HEARTBEAT_DECODER.decode(value)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                log.warning("service %s: ignoring an invalid proxy heartbeat", name)
+                continue
+            if now - beat.seen_at > stale_after:
+                stale.append(proxy_id)
+            else:
+                beats[_text(proxy_id)] = beat
+        if stale:
+            with self._errors():
+                await self._redis.hdel(key, *stale)
+        return dict(sorted(beats.items()))
 
     async def write_autoscaler(self, name: str, status: AutoscalerStatus) -> None:
         """Record the controller's last autoscaling decision (for `sluice status`)."""

@@ -375,9 +375,10 @@ class SluiceUser(User):
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=settings.max_in_flight)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
-        self.base = (self.host or "").rstrip("/")
-        if not self.base:
-            raise ValueError("no host: pass -H http://HOST:PORT")
+        # -H may list several proxies (comma-separated): requests rotate over them.
+        self.bases = [h.strip().rstrip("/") for h in (self.host or "").split(",") if h.strip()]
+        if not self.bases:
+            raise ValueError("no host: pass -H http://HOST:PORT[,http://HOST:PORT...]")
 
     def on_stop(self) -> None:
         if self.rec.finished:  # else requests in flight still use the session
@@ -399,9 +400,9 @@ class SluiceUser(User):
             if len(self.rec.in_flight) >= self.settings.max_in_flight:
                 self.rec.client_overload += 1
                 continue
-            self.rec.in_flight.spawn(self.one, kind)
+            self.rec.in_flight.spawn(self.one, kind, self.bases[self.sequence % len(self.bases)])
 
-    def one(self, kind: str) -> None:
+    def one(self, kind: str, base: str) -> None:
         settings = self.settings
         sent_at = time.time()
         context: dict[str, Any] = {"sluice_kind": kind, "sluice_sent_at": round(sent_at, 3)}
@@ -425,7 +426,7 @@ class SluiceUser(User):
         response = None
         try:
             response = self.session.request(
-                method, self.base + path, json=body, stream=True,
+                method, base + path, json=body, stream=True,
                 timeout=(settings.timeout, settings.timeout),
             )  # fmt: skip
             status = response.status_code

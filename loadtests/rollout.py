@@ -290,11 +290,15 @@ class Stack:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def redis_url(self) -> str:
+        return self.redis.url
+
     def start_controller(self) -> None:
         self.controllers += 1
         o = self.options
         self.controller = self.processes.spawn(
-            [sys.executable, "-m", "controlplane.cli", "controller", "--redis", self.redis.url,
+            [sys.executable, "-m", "controlplane.cli", "controller", "--redis", self.redis_url,
              "--state-dir", str(self.state_dir), "--drain-seconds", f"{o.drain_seconds:g}",
              "--lease-ttl", f"{o.lease_ttl:g}", "--reconcile-interval", "1",
              "--term-timeout", "5", "--terminate-on-exit",
@@ -510,6 +514,7 @@ class Scenario:
     initial: int
     run: Callable[[Stack], Awaitable[Expected]]
     about: Callable[[Options], str]
+    stack: Callable[[Options, Path, Processes], Stack] | None = None
 
 
 SERVE_PAUSE = 1.5  # after a new replica is READY: let it take its share before the next change
@@ -588,6 +593,18 @@ async def controller_restart(stack: Stack) -> Expected:
     return Expected(launched=1, terminated=0, keep=(1, 2))
 
 
+async def redis_failover(stack: Stack) -> Expected:
+    from loadtests.failover import redis_failover as run
+
+    return await run(stack)
+
+
+def failover_stack(options: Options, state_dir: Path, processes: Processes) -> Stack:
+    from loadtests.failover import FailoverStack
+
+    return FailoverStack(options, state_dir, processes)
+
+
 SCENARIOS = {
     s.name: s
     for s in (
@@ -604,6 +621,10 @@ SCENARIOS = {
                  lambda o: "SIGSTOP redis-server for 4 s (> lease TTL), then 2 -> 3 replicas"),
         Scenario("controller-restart", 2, controller_restart,
                  lambda o: "SIGKILL the controller, a new one after 2 s, then 2 -> 3 replicas"),
+        Scenario("redis-failover", 2, redis_failover,
+                 lambda o: "sentinels, 4 proxies x 2 workers, 2 controllers: SIGKILL the "
+                           "primary, 2 -> 3, SIGKILL the leader, rolling update",
+                 failover_stack),
     )
 }  # fmt: skip
 
@@ -626,6 +647,7 @@ class Result:
     proxy: dict[str, Any] = field(default_factory=dict)
     timeline: list[tuple[float, str]] = field(default_factory=list)
     state_dir: str = ""
+    convergence: dict[str, Any] = field(default_factory=dict)  # redis-failover only
 
     @property
     def cut_streams(self) -> int:
@@ -672,6 +694,7 @@ class Result:
             "timeline": self.timeline,
             "failures": _failures(r, self.report.get("first_sent_at")),
             "state_dir": self.state_dir,
+            "convergence": self.convergence,
         }
 
 
@@ -692,7 +715,7 @@ async def run_scenario(
     result = Result(scenario.name, scenario.about(options))
     state_dir = Path(tempfile.mkdtemp(prefix=f"{scenario.name}-", dir=state_root))
     result.state_dir = str(state_dir)
-    stack = Stack(options, state_dir, processes)
+    stack = (scenario.stack or Stack)(options, state_dir, processes)
     print(f"\n{scenario.name}: {result.about}", file=sys.stderr, flush=True)
     try:
         await stack.start(scenario.initial)
@@ -722,6 +745,7 @@ async def run_scenario(
                 result.report = await stack.stop_load() or {}
     finally:
         result.timeline = stack.timeline
+        result.convergence = getattr(stack, "convergence_report", {})
         teardown = await stack.aclose()
     result.reasons += [f"teardown: {issue}" for issue in teardown]
     result.passed = not result.reasons
@@ -798,6 +822,10 @@ def table(result: Result) -> str:
         ("result", "PASS" if result.passed else "FAIL: " + "; ".join(result.reasons)),
     ]  # fmt: skip
     lines += [f"   {name:<24} {value}" for name, value in rows]
+    if result.convergence:
+        from loadtests.failover import convergence_table
+
+        lines.append(convergence_table(result.convergence))
     failures = [f for f in row["failures"] if f["outcome"] != "ok"][:10]
     if failures:
         lines.append("   first failures (seconds from load start):")

@@ -68,6 +68,9 @@ class AdminServer:
         snap = app.ready_set.snapshot
         body = {
             "snapshot": msgspec.to_builtins(snap) if snap is not None else None,
+            "generation": app.ready_set.generation,
+            # Unix time this process applied the snapshot in force (None: none yet).
+            "applied_at": app.ready_set.applied_at if snap is not None else None,
             "policy": app.ready_set.policy.name,
             "replicas": [
                 {"url": r.url, "id": r.id, "inflight": r.inflight,

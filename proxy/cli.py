@@ -24,6 +24,7 @@ from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
+from proxy.redisurl import RedisURLError, validate
 from proxy.snapshot import PrefixOptions
 from proxy.supervisor import Supervisor
 
@@ -88,6 +89,17 @@ def _prefix_options(opts: dict[str, object]) -> PrefixOptions | None:
         raise click.BadParameter(str(exc), param_hint="--prefix-*") from exc
 
 
+def check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    """Reject a malformed --redis before anything starts (shared by `sluice`)."""
+    if url:
+        try:
+            validate(url)
+        except RedisURLError as exc:
+            # One line (exit 1), as every other error of the CLI; no usage text.
+            raise click.ClickException(f"--redis: {exc}") from exc
+    return url
+
+
 def run_proxy(config: ProxyConfig) -> None:
     """Run one proxy process until SIGTERM/SIGINT, on uvloop.
 
@@ -143,8 +155,9 @@ class _ProxyCommand(click.Command):
                                  "max_content_width": 100})
 @click.option("--replicas", help="Static ready set: comma-separated replica URLs "
               "(http://host:port). One of --replicas, --redis or --controller-addr.")
-@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL",
-              help="Redis URL (redis:// or rediss://, password allowed) holding the ready set; "
+@click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL", callback=check_redis_url,
+              help="Redis URL (redis://, rediss://, unix:// or redis+sentinel://host:port[,...]"
+                   "/service-name[/db], password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
 @click.option("--redis-ca-file", type=click.Path(dir_okay=False), envvar="SLUICE_REDIS_CA_FILE",
               help="CA certificate(s) that signed the rediss:// server's certificate "

@@ -84,6 +84,9 @@ class ProxyCollector:
         snap = app.ready_set.snapshot
         yield GaugeMetricFamily("sluice_snapshot_generation", "Generation of the snapshot in force",
                                 value=snap.generation if snap else -1)
+        yield GaugeMetricFamily("sluice_snapshot_applied_timestamp_seconds",
+                                "Unix time this proxy applied the snapshot in force (0: none)",
+                                value=app.ready_set.applied_at if snap else 0.0)
         yield GaugeMetricFamily("sluice_snapshot_age_seconds",
                                 "Seconds since the snapshot in force was published",
                                 value=time.time() - snap.published_at if snap else 0.0)

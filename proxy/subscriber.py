@@ -23,7 +23,11 @@ flush (`stats.requests_total`) to `{prefix}:svc:{name}:rps`, field = the unix
 second; a failed flush keeps the count for the next one. With the same tick it
 writes this proxy's in-flight requests per replica into
 `{prefix}:svc:{name}:inflight` (field = proxy id; the concurrency autoscaler
-sums the fresh entries). When a request is held because the set is empty, it
+sums the fresh entries), and its heartbeat into `{prefix}:svc:{name}:proxies`
+(field = proxy id: the generation it serves, when it applied it, the last 32
+applies): `sluice status` shows from it how far each proxy lags. Both hashes
+expire with the rps key when no proxy writes any more; readers prune entries
+whose heartbeat is stale. When a request is held because the set is empty, it
 publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
@@ -55,6 +59,7 @@ from proxy.compat import timeout
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
+from proxy.redisurl import RedisURLError, client_from_url
 from proxy.snapshot import decode_snapshot
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
@@ -94,12 +99,18 @@ def inflight_key(prefix: str, service: str) -> str:
     return f"{prefix}:svc:{service}:inflight"
 
 
+def proxies_key(prefix: str, service: str) -> str:
+    """The hash of proxy heartbeats: proxy id -> generation served (= controlplane Keys.proxies)."""
+    return f"{prefix}:svc:{service}:proxies"
+
+
 def control_channel(prefix: str) -> str:
     """The controller's nudge channel (= controlplane Keys.control)."""
     return f"{prefix}:control"
 
 
 _INFLIGHT = msgspec.json.Encoder()
+_RECENT_APPLIES = 32
 
 
 class RedisSource:
@@ -119,7 +130,9 @@ class RedisSource:
         resync_interval: float | None = None,
         flush_interval: float = 1.0,
         backoff_initial: float = 0.1,
-        backoff_max: float = 5.0,
+        # Short: a Redis failover takes a few seconds, and a proxy should follow the new
+        # primary within about a second of its promotion, not after a long backoff.
+        backoff_max: float = 1.0,
         connect_timeout: float = 2.0,
         start_timeout: float = 2.0,
         rps_ttl: int = 3600,
@@ -135,6 +148,7 @@ class RedisSource:
         self._channel = ready_channel(config.redis_prefix, config.service)
         self._rps_key = rps_key(config.redis_prefix, config.service)
         self._inflight_key = inflight_key(config.redis_prefix, config.service)
+        self._proxies_key = proxies_key(config.redis_prefix, config.service)
         self._control = control_channel(config.redis_prefix)
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
         self._nudge = _INFLIGHT.encode({"service": config.service, "reason": "demand"})
@@ -161,6 +175,9 @@ class RedisSource:
         self._applied_any = False
         self._rejected: deque[bytes] = deque(maxlen=16)  # digests of rejected payloads
         self._closing = False  # set by aclose(); every loop checks it (see proxy/tasks.py)
+        # (generation, applied_at) of the last applies, sent with every heartbeat so a
+        # reader sees when each recent commit reached this proxy, not only the last one.
+        self._applies: deque[tuple[int, float]] = deque(maxlen=_RECENT_APPLIES)
 
     @property
     def connected(self) -> bool:
@@ -173,7 +190,7 @@ class RedisSource:
         if self._client is not None:
             raise RuntimeError("RedisSource already started")
         try:
-            self._client = aioredis.Redis.from_url(
+            self._client = client_from_url(
                 self._url,
                 socket_connect_timeout=self._connect_timeout,
                 socket_timeout=self._command_timeout,
@@ -181,7 +198,7 @@ class RedisSource:
                 retry=Retry(NoBackoff(), 0),
                 **self._tls,
             )
-        except ValueError as exc:
+        except RedisURLError as exc:
             raise ConfigError(f"--redis: {exc}") from exc
         self._ready_set = ready_set
         self._flushed = self._stats.requests_total
@@ -315,9 +332,11 @@ class RedisSource:
             return
         # The first snapshot loaded is however old it is; only later ones measure how
         # long a commit took to reach this proxy.
+        now = self._clock()
         if self._applied_any:
-            self._stats.propagation.observe(max(0.0, self._clock() - snapshot.published_at))
+            self._stats.propagation.observe(max(0.0, now - snapshot.published_at))
         self._applied_any = True
+        self._applies.append((snapshot.generation, now))
         log.debug(
             "service %s: applied generation %d (%d replicas) via %s",
             self._service,
@@ -379,6 +398,8 @@ class RedisSource:
                 pipe.expire(self._rps_key, self._rps_ttl)
             pipe.hset(self._inflight_key, self._proxy_id, self._inflight_payload(now))
             pipe.expire(self._inflight_key, self._rps_ttl)
+            pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
+            pipe.expire(self._proxies_key, self._rps_ttl)
             await pipe.execute()
         self._flushed = total
 
@@ -387,6 +408,18 @@ class RedisSource:
         per_replica = {r.url: r.inflight for r in self._ready_set.known.values() if r.inflight}
         return _INFLIGHT.encode(
             {"at": now, "total": sum(per_replica.values()), "replicas": per_replica})
+
+    def _heartbeat_payload(self, now: float) -> bytes:
+        """What `sluice status` reads to show convergence (controlplane ProxyHeartbeat)."""
+        assert self._ready_set is not None
+        ready_set = self._ready_set
+        return _INFLIGHT.encode({
+            "generation": ready_set.generation,
+            "applied_at": ready_set.applied_at,
+            "seen_at": now,
+            "connected": self._stats.source_connected == 1,
+            "recent": list(self._applies),
+        })
 
     # -- demand -------------------------------------------------------------------------------
 

@@ -7,6 +7,9 @@
 ``store``: a ``controlplane.store.Store`` on ``redis_client`` with ``redis_prefix``.
 ``redis_factory(**kwargs)``: a private EmbeddedRedis (for tests that SIGKILL or
 restart Redis, or need a password); every one is stopped at teardown.
+``sentinel_factory(**kwargs)``: a private SentinelGroup (primary, replica, three
+sentinels; `redis-server --sentinel`), stopped at teardown; skips the test when no
+sentinel-capable redis-server exists.
 ``eventually(predicate, within=...)``: poll until true (tests wait this way, never by
 a fixed sleep).
 """
@@ -25,7 +28,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from controlplane.redisserver import EmbeddedRedis
+from controlplane.redissentinel import SentinelGroup
+from controlplane.redisserver import EmbeddedRedis, RedisServerError, find_redis_server
 from controlplane.store import Store
 
 _counter = itertools.count(1)
@@ -86,6 +90,31 @@ def redis_factory(tmp_path: Path) -> Iterator[Callable[..., EmbeddedRedis]]:
     for server in reversed(servers):
         with contextlib.suppress(Exception):
             server.stop()
+
+
+@pytest.fixture
+def sentinel_factory(tmp_path: Path) -> Iterator[Callable[..., SentinelGroup]]:
+    groups: list[SentinelGroup] = []
+
+    def start(**kwargs: Any) -> SentinelGroup:
+        try:
+            find_redis_server()
+        except RedisServerError as exc:
+            pytest.skip(f"no sentinel-capable redis-server: {exc}")
+        group = SentinelGroup(tmp_path / f"sentinel{len(groups)}", **kwargs)
+        groups.append(group)
+        try:
+            group.start()
+        except RedisServerError as exc:
+            if "sentinel" in str(exc).lower() and "FATAL" in str(exc):
+                pytest.skip(f"this redis-server cannot run as a sentinel: {exc}")
+            raise
+        return group
+
+    yield start
+    for group in reversed(groups):
+        with contextlib.suppress(Exception):
+            group.stop()
 
 
 async def eventually(

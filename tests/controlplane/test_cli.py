@@ -696,6 +696,36 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     assert "Traceback" not in output
 
 
+@pytest.mark.slow
+def test_run_with_a_sentinel_url_serves_and_stops(
+    tmp_path: Path, sentinel_factory: Any, redis_prefix: str
+) -> None:
+    """`sluice run --redis redis+sentinel://...`: its controller and proxy both get the
+    sentinel URL, the service serves, Ctrl-C stops it (the sentinels' Redis stays)."""
+    group = sentinel_factory()
+    state, port = tmp_path / "state", free_port()
+    log = tmp_path / "run.log"
+    argv = ["run", str(ECHO), "--redis", group.url, "--prefix", redis_prefix,
+            "--state-dir", str(state), "--host", HOST, "--port", str(port),
+            "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
+    with _process(argv, log) as proc:
+        _wait_http_200(proc, port, log, within=60)
+        info = json.loads((state / "run.json").read_text())
+        assert info["redis_url"] == group.url
+        assert "redis" not in info["pids"]  # no embedded redis-server
+        status = CliRunner().invoke(cli, ["status", "echo", "--json", "--state-dir", str(state)])
+        assert status.exit_code == 0, status.output
+        assert json.loads(status.stdout)[0]["ready"] == 2
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+    output = log.read_text()
+    assert code == 0, output
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize("extra", [[], ["--tail", "1", "--follow"]])
 def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     state = tmp_path / "st"
@@ -856,3 +886,69 @@ def test_a_fixed_replica_port_allows_one_local_replica(
     # `sluice run`'s proxy cannot take the replica's port either.
     result = sluice("run", str(one), "--port", "8080", "--state-dir", str(tmp_path / "run"))
     assert_one_line_error(result, "--port 8080", "another --port")
+
+
+async def test_status_flags_a_proxy_lagging_behind(
+    redis_url: str, redis_prefix: str, store: Store
+) -> None:
+    from proxy.config import ProxyConfig
+    from proxy.readyset import ReadySet
+    from proxy.stats import Stats
+    from proxy.subscriber import RedisSource
+    from tests.fixtures_redis import eventually
+
+    ops_args = ["--redis", redis_url, "--prefix", redis_prefix]
+
+    async def run_sluice(*args: str) -> str:
+        """The real `sluice` in a subprocess (CliRunner swaps sys.stdout: not from a thread
+        while this loop runs)."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "controlplane.cli", *args, *ops_args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        return out.decode()
+
+    await run_sluice("up", str(ECHO), "-n", "echo", "-y")
+    ready = ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:23101")
+    first = await store.commit("echo", replica_updates=[ready])
+    sets, sources = [], []
+    for proxy_id in ("live", "stopped"):
+        config = ProxyConfig(redis_url=redis_url, service="echo", redis_prefix=redis_prefix,
+                             proxy_id=proxy_id)
+        ready_set = ReadySet()
+        source = RedisSource(config, Stats(), flush_interval=0.02)
+        await source.start(ready_set)
+        sets.append(ready_set)
+        sources.append(source)
+    try:
+        await eventually(lambda: all(s.generation == first.generation for s in sets))
+        await sources[1].aclose()  # its last heartbeat stays at the first generation
+        for port in (23102, 23103, 23104):
+            last = await store.commit("echo", replica_updates=[
+                ReplicaRecord(id=port - 23100, status=ReplicaStatus.READY,
+                              url=f"http://127.0.0.1:{port}")])
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while True:  # both heartbeats written, the live one at the last generation
+            beats = await store.read_proxies("echo")
+            if set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation:
+                break
+            assert loop.time() < deadline, f"the heartbeats never caught up: {beats}"
+            await asyncio.sleep(0.02)
+        result = await run_sluice("status", "echo", "--json")
+        proxies = {p["id"]: p for p in json.loads(result)[0]["proxies"]}
+        assert proxies["live"]["generation"] == last.generation
+        assert not proxies["live"]["lagging"]
+        assert proxies["stopped"]["lag_generations"] == 3
+        assert proxies["stopped"]["lagging"]
+        loose = await run_sluice("status", "echo", "--json", "--max-lag-generations", "5",
+                                 "--max-lag-seconds", "3600")
+        assert not any(p["lagging"] for p in json.loads(loose)[0]["proxies"])
+        text = await run_sluice("status", "echo")
+        assert "echo: 1 of 2 proxies lagging" in text
+        assert "LAGGING" in text
+    finally:
+        await sources[0].aclose()
+        for ready_set in sets:
+            ready_set.close()

@@ -184,7 +184,9 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
         async def reported() -> bool:
             counts = await admin.hgetall("sluice:svc:llm:rps")
             inflight = await admin.hgetall("sluice:svc:llm:inflight")
-            return sum(int(v) for v in counts.values()) >= 20 and len(inflight) == 1
+            heartbeats = await admin.hgetall("sluice:svc:llm:proxies")
+            return (sum(int(v) for v in counts.values()) >= 20 and len(inflight) == 1
+                    and len(heartbeats) == 1)
 
         deadline = time.monotonic() + 15
         while not await reported():

@@ -22,6 +22,7 @@ from proxy.subscriber import (
     RedisSource,
     control_channel,
     inflight_key,
+    proxies_key,
     ready_channel,
     rps_key,
     snapshot_key,
@@ -68,11 +69,13 @@ async def start_proxy(redis_url: str, redis_prefix: str) -> AsyncIterator[StartP
     """`await start_proxy(url=..., **RedisSource kwargs)`; every proxy is closed at teardown."""
     proxies: list[Proxy] = []
 
-    async def start(*, url: str = redis_url, service: str = "svc", **kwargs: Any) -> Proxy:
+    async def start(*, url: str = redis_url, service: str = "svc", proxy_id: str | None = None,
+                    **kwargs: Any) -> Proxy:
         kwargs.setdefault("backoff_initial", 0.02)
         kwargs.setdefault("backoff_max", 0.2)
         kwargs.setdefault("resync_interval", 60.0)  # tests of the re-GET set it lower
-        config = ProxyConfig(redis_url=url, service=service, redis_prefix=redis_prefix)
+        config = ProxyConfig(redis_url=url, service=service, redis_prefix=redis_prefix,
+                             proxy_id=proxy_id)
         stats = Stats()
         ready_set = RecordingReadySet()
         proxy = Proxy(RedisSource(config, stats, **kwargs), ready_set, stats)
@@ -111,6 +114,7 @@ def test_key_names_match_the_store() -> None:
         assert ready_channel(prefix, "svc") == keys.ready("svc")
         assert rps_key(prefix, "svc") == keys.rps("svc")
         assert inflight_key(prefix, "svc") == keys.inflight("svc")
+        assert proxies_key(prefix, "svc") == keys.proxies("svc")
         assert control_channel(prefix) == keys.control
 
 
@@ -289,6 +293,41 @@ async def test_request_counts_are_flushed_to_the_rps_hash(
     fields = await redis_client.hkeys(key)
     assert all(abs(int(f) - time.time()) < 60 for f in fields)  # unix seconds
     assert await redis_client.ttl(key) > 0
+
+
+async def test_each_proxy_heartbeats_the_generation_it_serves(
+    store: Store, start_proxy: StartProxy
+) -> None:
+    await register(store)
+    one = await start_proxy(flush_interval=0.02, proxy_id="one")
+    two = await start_proxy(flush_interval=0.02, proxy_id="two")
+    snaps = [await store.commit("svc", replica_updates=[replica(1), replica(i)])
+             for i in range(2, 5)]
+    last = snaps[-1].generation
+    await eventually(lambda: one.generation == two.generation == last)
+    beats: dict[str, Any] = {}
+
+    async def fresh() -> bool:
+        beats.update(await store.read_proxies("svc"))
+        return len(beats) == 2 and all(b.generation == last for b in beats.values())
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while not await fresh():
+        assert loop.time() < deadline, beats
+        await asyncio.sleep(0.02)
+    assert list(beats) == ["one", "two"]
+    for beat, proxy in zip(beats.values(), (one, two), strict=False):
+        assert beat.connected
+        assert beat.applied_at == pytest.approx(proxy.ready_set.applied_at, abs=5)
+        # Every commit this proxy applied is in its recent list, with when it did.
+        assert [g for g, _ in beat.recent][-3:] == [s.generation for s in snaps]
+        assert all(t >= s.published_at for (_, t), s in zip(beat.recent[-3:], snaps,
+                                                                strict=True))
+    # A proxy that stopped is pruned once its heartbeat is stale.
+    await one.source.aclose()
+    assert len(await store.read_proxies("svc", stale_after=3600)) == 2
+    assert await store.read_proxies("svc", stale_after=-1) == {}
 
 
 async def test_a_failed_flush_keeps_the_count(
