@@ -139,7 +139,9 @@ class FailoverStack(Stack):
 
     async def kill_leader(self) -> None:
         holder = await self.lease_holder()
-        proc = self.leaders.get(holder or "")
+        # The lease names `--holder` plus the random token each controller appends.
+        name = (holder or "").rpartition(":")[0]
+        proc = self.leaders.get(name)
         if proc is None:
             raise RuntimeError(f"no controller of ours holds the lease ({holder!r})")
         proc.kill()
