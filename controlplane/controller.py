@@ -778,7 +778,12 @@ class Controller:
             ):
                 if replica.handle and self._backend(replica).can_launch:
                     plan.terminate.append(replica.id)
-                elif not gives_up_version(replica, plan.record.version, plan.ready_version):
+                elif (
+                    plan.record.status is ServiceStatus.SHUTTING_DOWN
+                    or not gives_up_version(replica, plan.record.version, plan.ready_version)
+                ):
+                    # A version that gave up keeps its FAILED records to say why, unless
+                    # the service is going away.
                     plan.delete(replica.id)
         if (
             plan.record.status is ServiceStatus.SHUTTING_DOWN

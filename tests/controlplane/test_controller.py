@@ -432,6 +432,22 @@ async def test_a_failed_setup_gives_up_a_version_that_never_served(
     assert (await event_kinds(store, "svc")).count("launch") == 2
 
 
+async def test_down_unregisters_a_service_whose_version_gave_up(
+    store: Store, start_controller: StartController
+) -> None:
+    # The FAILED records of a version that gave up stay for `status` to explain why;
+    # taking the service down must still remove them, or `down` (and `sluice run`'s
+    # Ctrl-C) waits for a service that is never unregistered.
+    controller = await start_controller()
+    await ops.up(store, "svc", make_spec(2, setup="exit 4"))
+    await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    await ops.down(store, "svc")
+    for _ in range(3):
+        await controller.step()
+    assert await store.service("svc") is None
+    assert await store.replicas("svc") == {}
+
+
 # Replica 2 never answers its readiness probe; every other replica is ready at once.
 SLOW_2 = RUN + ' --ready-delay "$([ "$SLUICE_REPLICA_ID" = 2 ] && echo 1000 || echo 0)"'
 
