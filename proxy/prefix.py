@@ -25,15 +25,23 @@ learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
   (consistent hashing with bounded loads); hot prefixes spill to their second
   choice, and keep spilling to where they spilled before while it has room
   (so a hot prefix is cached on two replicas, not on all). A prefix this
-  proxy never routed may not take a replica above the mean in flight, and is
-  not remembered where it spilled: unshared traffic spreads like
-  `least_load`, and the next request of a new prefix tries the agreed first
-  choice again. No candidate left: the fallback policy (`least_load`).
+  proxy never routed may not take a replica above the mean in flight (so
+  unshared traffic spreads like `least_load`), and is remembered where it went:
+  the next request of its family goes where it is cached. No candidate left:
+  the fallback policy (`least_load`).
 - **Longest prefix**: a per-proxy LRU maps the chain hashes of blocks 2.. to
   the replica that first received them, so a conversation's next turn (or a
   long shared prompt) follows its longest known prefix. The first writer
   wins, so the LRU repeats the rendezvous choice unless that replica was
   full; proxies may disagree on it, the rendezvous order is the agreement.
+- **Later turns stick harder**: per slot of the first block (a family of
+  prompts) the policy keeps the shallowest longest-known-prefix depth it has
+  seen: where the family's new questions and sessions branch off the shared
+  prompt. A request whose longest known prefix is deeper continues a branch
+  (a conversation's next turn): it may load its replica up to
+  (1 + STICK x epsilon) x the mean, since anywhere else it would recompute its
+  whole history; a new branch only loses the shared prompt and spills at
+  (1 + epsilon) x.
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
@@ -56,6 +64,7 @@ if TYPE_CHECKING:
     from proxy.readyset import Replica
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
+STICK = 3.0  # a continuing branch may load its replica to (1 + STICK x epsilon) x the mean
 
 # Indexes into a replica's `routed` counters.
 AFFINITY, SPILL, FALLBACK = 0, 1, 2
@@ -179,7 +188,11 @@ class PrefixPolicy:
         self.body_prefix = opts.prefix_bytes
         self._header = opts.session_header.lower().encode("latin-1")
         self._load_factor = 1.0 + opts.epsilon
+        self._stick_factor = 1.0 + STICK * opts.epsilon
         self._lru_size = opts.lru_size
+        # Per slot of the first block (a family of prompts): the shallowest longest-known
+        # prefix seen, where the family's new branches (questions, sessions) start.
+        self._branch = [1 << 30] * SLOTS
         self._fallback = fallback
         self._replicas: tuple[Replica, ...] = ()
         self._seeds: list[hashlib.blake2b] = []
@@ -240,7 +253,12 @@ class PrefixPolicy:
             for d in range(depth - 1, 0, -1):
                 hit = lru.get(key[d])
                 if hit is not None:
-                    factor = self._load_factor
+                    slot = key[0] & (SLOTS - 1)
+                    if d <= self._branch[slot]:  # a new branch off the family's prefix
+                        self._branch[slot] = d
+                        factor = self._load_factor
+                    else:  # continuing a branch (a later turn): its whole history is there
+                        factor = self._stick_factor
                     if hit.left_at is not None or (exclude is not None and hit in exclude):
                         hit = None
                         break
@@ -281,10 +299,10 @@ class PrefixPolicy:
                 spilled.move_to_end(full)
                 if len(spilled) > self._lru_size // 4 + 1:
                     spilled.popitem(last=False)
-            if depth > 1 and self._lru_size and (reason == AFFINITY or factor != 1.0):
-                # Remember where the blocks went (first writer wins); a prefix never seen
-                # that spilled is not pinned to where it spilled, so the next one tries
-                # the agreed first choice again (other proxies pin it there).
+            if depth > 1 and self._lru_size:
+                # Remember where the blocks went (first writer wins), also where a prefix
+                # never seen spilled: its family's next request goes where it is cached
+                # now, instead of missing again wherever the walk takes it next time.
                 for h in key[1:]:
                     if h not in lru:
                         lru[h] = chosen

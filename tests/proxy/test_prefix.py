@@ -282,7 +282,7 @@ def rank(ready: ReadySet, body: bytes) -> list[object]:
     return order
 
 
-def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_not_pinned_there() -> None:
+def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_pinned_where_it_went() -> None:
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4]))
     body = bodies(1, seed=11)[0]
@@ -293,17 +293,19 @@ def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_not_pinned_ther
     chosen = ready.choose(None, Req(body))
     assert chosen is not None and chosen.url == order[2]  # the first at or below the mean
     assert ready.policy.routed[chosen.url][SPILL] == 1  # type: ignore[attr-defined]
-    # Not pinned where it spilled: with the top free again, the next one goes there.
+    # Pinned where it went (cached there): with the top free again, the next request
+    # of the family (another question) still goes there, not to a third cold replica.
     top.inflight = second.inflight = 0
-    assert ready.choose(None, Req(body)) is top
-    # Now known (pinned to the top): it may load the top up to (1 + epsilon) x the mean.
+    sibling = body.replace(b'"q"', b'"another question"')
+    assert ready.choose(None, Req(sibling)) is chosen
+    # Now known: it may load its replica up to (1 + epsilon) x the mean.
     for r in ready.replicas:
         r.inflight = 1
-    top.inflight = 2  # total 5: above the mean, within ceil(2 x 6 / 4) = 3
-    assert ready.choose(None, Req(body)) is top
+    chosen.inflight = 2  # total 5: above the mean, within ceil(2 x 6 / 4) = 3
+    assert ready.choose(None, Req(body)) is chosen
     # An unseen prefix with the same first choice does not get it (above the mean).
-    unseen = next(b for b in bodies(40, seed=12) if rank(ready, b)[0] == top.url)
-    assert ready.choose(None, Req(unseen)) is not top
+    unseen = next(b for b in bodies(40, seed=12) if rank(ready, b)[0] == chosen.url)
+    assert ready.choose(None, Req(unseen)) is not chosen
 
 
 def test_no_key_uses_the_fallback_least_load() -> None:
@@ -521,3 +523,25 @@ async def test_a_body_over_max_body_while_held_for_routing_is_refused_once(
     assert sum(s["total"] for s in stats) == 0
     async with aiohttp.ClientSession() as s:  # the proxy still serves
         assert await _post(s, proxy.url, chat(LONG, "q")) in {"a", "b"}
+
+
+
+def test_a_later_turn_sticks_harder_than_a_new_branch() -> None:
+    """A request continuing a branch (its longest known prefix is deeper than where the
+    family's new questions branch off) may load its replica to (1 + 3 epsilon) x the
+    mean; a new branch only to (1 + epsilon) x: it would lose its whole history."""
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    system = "Family system prompt. " + LONG
+
+    def turn1(name: str) -> bytes:
+        return chat(system, f"Session {name} asks this: " + "word " * 80)
+
+    home = ready.choose(None, Req(turn1("A")))
+    assert home is not None
+    assert ready.choose(None, Req(turn1("B"))) is home  # a new branch: the family's place
+    home.inflight = 4  # total 4: new branches ceil(2 x 5 / 4) = 3, later turns 5
+    turn2 = chat(system, "Session A asks this: " + "word " * 80, "An answer.", "Then?")
+    assert ready.choose(None, Req(turn2)) is home
+    spilled = ready.choose(None, Req(turn1("C")))
+    assert spilled is not None and spilled is not home
