@@ -26,9 +26,10 @@ learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
   choice, and keep spilling to where they spilled before while it has room
   (so a hot prefix is cached on two replicas, not on all). A prefix this
   proxy never routed may not take a replica above the mean in flight (so
-  unshared traffic spreads like `least_load`), and is remembered where it went:
-  the next request of its family goes where it is cached. No candidate left:
-  the fallback policy (`least_load`).
+  unshared traffic spreads like `least_load`), and is then remembered at its
+  first choice (as on every other proxy): the next request of its family may
+  load it like a known prefix. No candidate left: the fallback policy
+  (`least_load`).
 - **Longest prefix**: a per-proxy LRU maps the chain hashes of blocks 2.. to
   the replica that first received them, so a conversation's next turn (or a
   long shared prompt) follows its longest known prefix. The first writer
@@ -280,9 +281,12 @@ class PrefixPolicy:
                 chosen = alt
                 reason = SPILL
         if chosen is None:
+            agreed: Replica | None = None  # the first choice not excluded
             for r in self.order_for(key[0] & (SLOTS - 1)):
                 if exclude is not None and r in exclude:
                     continue
+                if agreed is None:
+                    agreed = r
                 if r.inflight:
                     if capacity < 0:
                         capacity = self._capacity(factor)
@@ -300,12 +304,15 @@ class PrefixPolicy:
                 if len(spilled) > self._lru_size // 4 + 1:
                     spilled.popitem(last=False)
             if depth > 1 and self._lru_size:
-                # Remember where the blocks went (first writer wins), also where a prefix
-                # never seen spilled: its family's next request goes where it is cached
-                # now, instead of missing again wherever the walk takes it next time.
+                # Remember where the blocks went (first writer wins). A prefix never seen
+                # that spilled (its first choice above the mean) is remembered at its
+                # first choice: its family's next request goes there, within the bound
+                # of a known prefix, as on every other proxy, instead of being walked
+                # to another cold replica each time.
+                pin = agreed if factor == 1.0 and reason == SPILL else chosen
                 for h in key[1:]:
                     if h not in lru:
-                        lru[h] = chosen
+                        lru[h] = pin
                 while len(lru) > self._lru_size:
                     lru.popitem(last=False)
         elif depth - 1 > d:
