@@ -309,7 +309,9 @@ class PrefixPolicy:
                 # first choice: its family's next request goes there, within the bound
                 # of a known prefix, as on every other proxy, instead of being walked
                 # to another cold replica each time.
-                pin = agreed if factor == 1.0 and reason == SPILL else chosen
+                pin = chosen
+                if agreed is not None and factor == 1.0 and reason == SPILL:
+                    pin = agreed
                 for h in key[1:]:
                     if h not in lru:
                         lru[h] = pin
