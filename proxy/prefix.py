@@ -35,14 +35,6 @@ learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
   long shared prompt) follows its longest known prefix. The first writer
   wins, so the LRU repeats the rendezvous choice unless that replica was
   full; proxies may disagree on it, the rendezvous order is the agreement.
-- **Later turns stick harder**: per slot of the first block (a family of
-  prompts) the policy keeps the shallowest longest-known-prefix depth it has
-  seen: where the family's new questions and sessions branch off the shared
-  prompt. A request whose longest known prefix is deeper continues a branch
-  (a conversation's next turn): it may load its replica up to
-  (1 + STICK x epsilon) x the mean, since anywhere else it would recompute its
-  whole history; a new branch only loses the shared prompt and spills at
-  (1 + epsilon) x.
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
@@ -65,7 +57,6 @@ if TYPE_CHECKING:
     from proxy.readyset import Replica
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
-STICK = 3.0  # a continuing branch may load its replica to (1 + STICK x epsilon) x the mean
 
 # Indexes into a replica's `routed` counters.
 AFFINITY, SPILL, FALLBACK = 0, 1, 2
@@ -189,11 +180,7 @@ class PrefixPolicy:
         self.body_prefix = opts.prefix_bytes
         self._header = opts.session_header.lower().encode("latin-1")
         self._load_factor = 1.0 + opts.epsilon
-        self._stick_factor = 1.0 + STICK * opts.epsilon
         self._lru_size = opts.lru_size
-        # Per slot of the first block (a family of prompts): the shallowest longest-known
-        # prefix seen, where the family's new branches (questions, sessions) start.
-        self._branch = [1 << 30] * SLOTS
         self._fallback = fallback
         self._replicas: tuple[Replica, ...] = ()
         self._seeds: list[hashlib.blake2b] = []
@@ -254,12 +241,7 @@ class PrefixPolicy:
             for d in range(depth - 1, 0, -1):
                 hit = lru.get(key[d])
                 if hit is not None:
-                    slot = key[0] & (SLOTS - 1)
-                    if d <= self._branch[slot]:  # a new branch off the family's prefix
-                        self._branch[slot] = d
-                        factor = self._load_factor
-                    else:  # continuing a branch (a later turn): its whole history is there
-                        factor = self._stick_factor
+                    factor = self._load_factor
                     if hit.left_at is not None or (exclude is not None and hit in exclude):
                         hit = None
                         break

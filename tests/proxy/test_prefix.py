@@ -523,23 +523,3 @@ async def test_a_body_over_max_body_while_held_for_routing_is_refused_once(
         assert await _post(s, proxy.url, chat(LONG, "q")) in {"a", "b"}
 
 
-
-def test_a_later_turn_sticks_harder_than_a_new_branch() -> None:
-    """A request continuing a branch (its longest known prefix is deeper than where the
-    family's new questions branch off) may load its replica to (1 + 3 epsilon) x the
-    mean; a new branch only to (1 + epsilon) x: it would lose its whole history."""
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
-    system = "Family system prompt. " + LONG
-
-    def turn1(name: str) -> bytes:
-        return chat(system, f"Session {name} asks this: " + "word " * 80)
-
-    home = ready.choose(None, Req(turn1("A")))
-    assert home is not None
-    assert ready.choose(None, Req(turn1("B"))) is home  # a new branch: the family's place
-    home.inflight = 4  # total 4: new branches ceil(2 x 5 / 4) = 3, later turns 5
-    turn2 = chat(system, "Session A asks this: " + "word " * 80, "An answer.", "Then?")
-    assert ready.choose(None, Req(turn2)) is home
-    spilled = ready.choose(None, Req(turn1("C")))
-    assert spilled is not None and spilled is not home
