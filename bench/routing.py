@@ -453,6 +453,11 @@ def main() -> int:
                     help="tokens per shared system prompt (multiturn: half)")
     ap.add_argument("--zipf", type=float, default=1.1, help="popularity skew of the prompts")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--base-port", type=int, default=0,
+                    help="replica i listens on BASE+i (0: free ports); the rendezvous "
+                         "placement of prompts depends on the replicas' URLs, so a fixed "
+                         "base makes runs comparable (pick one below the ephemeral range, "
+                         "e.g. 18100)")
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--sluice-args", default="",
                     help="extra sluice-proxy flags, e.g. '--prefix-epsilon 1'")
@@ -492,7 +497,8 @@ def main() -> int:
     print(f"load average at start: {load:.2f}; logs in {log_dir}", flush=True)
     summaries: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
     try:
-        ports = [free_port() for _ in range(args.replicas)]
+        ports = ([args.base_port + i for i in range(args.replicas)] if args.base_port
+                 else [free_port() for _ in range(args.replicas)])
         ready = log_dir / "fleet.ready"
         fleet = procs.start("fleet", [sys.executable, str(BENCH / "llm_replica.py"),
                                       "--ports", ",".join(map(str, ports)),

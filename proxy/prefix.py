@@ -25,10 +25,11 @@ learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
   (consistent hashing with bounded loads); hot prefixes spill to their second
   choice, and keep spilling to where they spilled before while it has room
   (so a hot prefix is cached on two replicas, not on all). A prefix this
-  proxy never routed may not take a replica above the mean in flight, and is
-  not remembered where it spilled: unshared traffic spreads like
-  `least_load`, and the next request of a new prefix tries the agreed first
-  choice again. No candidate left: the fallback policy (`least_load`).
+  proxy never routed may not take a replica above the mean in flight (so
+  unshared traffic spreads like `least_load`), and is then remembered at its
+  first choice (as on every other proxy): the next request of its family may
+  load it like a known prefix. No candidate left: the fallback policy
+  (`least_load`).
 - **Longest prefix**: a per-proxy LRU maps the chain hashes of blocks 2.. to
   the replica that first received them, so a conversation's next turn (or a
   long shared prompt) follows its longest known prefix. The first writer
@@ -262,9 +263,12 @@ class PrefixPolicy:
                 chosen = alt
                 reason = SPILL
         if chosen is None:
+            agreed: Replica | None = None  # the first choice not excluded
             for r in self.order_for(key[0] & (SLOTS - 1)):
                 if exclude is not None and r in exclude:
                     continue
+                if agreed is None:
+                    agreed = r
                 if r.inflight:
                     if capacity < 0:
                         capacity = self._capacity(factor)
@@ -281,13 +285,18 @@ class PrefixPolicy:
                 spilled.move_to_end(full)
                 if len(spilled) > self._lru_size // 4 + 1:
                     spilled.popitem(last=False)
-            if depth > 1 and self._lru_size and (reason == AFFINITY or factor != 1.0):
-                # Remember where the blocks went (first writer wins); a prefix never seen
-                # that spilled is not pinned to where it spilled, so the next one tries
-                # the agreed first choice again (other proxies pin it there).
+            if depth > 1 and self._lru_size:
+                # Remember where the blocks went (first writer wins). A prefix never seen
+                # that spilled (its first choice above the mean) is remembered at its
+                # first choice: its family's next request goes there, within the bound
+                # of a known prefix, as on every other proxy, instead of being walked
+                # to another cold replica each time.
+                pin = chosen
+                if agreed is not None and factor == 1.0 and reason == SPILL:
+                    pin = agreed
                 for h in key[1:]:
                     if h not in lru:
-                        lru[h] = chosen
+                        lru[h] = pin
                 while len(lru) > self._lru_size:
                     lru.popitem(last=False)
         elif depth - 1 > d:
