@@ -83,9 +83,8 @@ from controlplane.models import (
     encode_nudge,
 )
 from proxy.errors import SluiceError, SnapshotInvalid
-from proxy.redisurl import client_from_url
+from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
-from proxy.subscriber import redis_tls_options
 
 log = logging.getLogger("sluice.store")
 

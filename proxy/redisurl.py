@@ -25,6 +25,7 @@ message naming what is wrong, before any connection is attempted.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote
@@ -136,6 +137,18 @@ def validate(url: str) -> None:
         aioredis.ConnectionPool.from_url(url)
     except ValueError as exc:
         raise RedisURLError(f"Redis URL {redact(url)!r}: {exc}") from exc
+
+
+def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
+    """redis-py keyword arguments for `ca_file` (the CA that signed the server's
+    certificate; None: the system's). Raises ConfigError for a CA file without TLS."""
+    if ca_file is None:
+        return {}
+    if not url.startswith("rediss://"):
+        raise ConfigError("--redis-ca-file needs a rediss:// (TLS) Redis URL")
+    if not os.path.isfile(ca_file):
+        raise ConfigError(f"--redis-ca-file: no file {ca_file!r}")
+    return {"ssl_ca_certs": ca_file}
 
 
 def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:

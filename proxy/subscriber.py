@@ -59,24 +59,12 @@ from proxy.compat import timeout
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError, SnapshotInvalid
 from proxy.readyset import ReadySet
-from proxy.redisurl import RedisURLError, client_from_url
+from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.snapshot import decode_snapshot
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
 
 log = logging.getLogger("sluice.proxy.redis")
-
-
-def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
-    """redis-py keyword arguments for `ca_file` (the CA that signed the server's
-    certificate; None: the system's). Raises ConfigError for a CA file without TLS."""
-    if ca_file is None:
-        return {}
-    if not url.startswith("rediss://"):
-        raise ConfigError("--redis-ca-file needs a rediss:// (TLS) Redis URL")
-    if not os.path.isfile(ca_file):
-        raise ConfigError(f"--redis-ca-file: no file {ca_file!r}")
-    return {"ssl_ca_certs": ca_file}
 
 
 def snapshot_key(prefix: str, service: str) -> str:
