@@ -667,8 +667,10 @@ async def test_local_backend_setup_once_env_workdir_and_termination(tmp_path: Pa
             "workdir": str(workdir),
             "envs": {"GREETING": "hi"},
             "setup": "echo ran >> setup.count",
-            "run": 'echo "$PORT $SLUICE_REPLICA_ID $SKYPILOT_SERVE_REPLICA_ID $GREETING $PWD"'
-            " > out-$SLUICE_REPLICA_ID; trap '' TERM; exec sleep 60",
+            # The trap comes first: once out-N is written, SIGTERM is ignored.
+            "run": "trap '' TERM; "
+            'echo "$PORT $SLUICE_REPLICA_ID $SKYPILOT_SERVE_REPLICA_ID $GREETING $PWD"'
+            " > out-$SLUICE_REPLICA_ID; exec sleep 60",
         }
     )
     backend = LocalBackend(tmp_path / "state", term_timeout=0.3)
@@ -688,6 +690,9 @@ async def test_local_backend_setup_once_env_workdir_and_termination(tmp_path: Pa
     recovered = successor.recover("svc", 2)
     assert recovered is not None and recovered.handle == launched[1].handle
     assert successor.exited(launched[0].handle) is None
+    # Replica 1 must have set its trap before the SIGTERM, or it dies of it.
+    await eventually(lambda: (workdir / "out-1").exists() and (workdir / "out-1").read_text()
+                     .strip() != "", what="replica 1 output")
     await successor.terminate(launched[0].handle)  # ignores SIGTERM: SIGKILLed
     assert successor.exited(launched[0].handle) is not None
     assert backend.exited(launched[0].handle) == "killed by SIGKILL"
