@@ -391,15 +391,21 @@ def check_response(req: Req, resp: rawhttp.Response, out: Outcome) -> None:
 
 
 async def send_in_pieces(conn: rawhttp.RawConnection, data: bytes, splits: list[int]) -> None:
+    """Send `data` cut at `splits`. The proxy may answer a refused tail (400) and close
+    before the last piece is written: that reset ends the sending, and the responses
+    already sent are read and checked as usual."""
     last = 0
-    for cut in sorted({min(s, len(data)) for s in splits}):
-        if cut > last:
-            conn.send(data[last:cut])
-            await conn.writer.drain()
-            await asyncio.sleep(0)
-            last = cut
-    conn.send(data[last:])
-    await conn.writer.drain()
+    try:
+        for cut in sorted({min(s, len(data)) for s in splits}):
+            if cut > last:
+                conn.send(data[last:cut])
+                await conn.writer.drain()
+                await asyncio.sleep(0)
+                last = cut
+        conn.send(data[last:])
+        await conn.writer.drain()
+    except (ConnectionResetError, BrokenPipeError):
+        pass
 
 
 async def run_client(port: int, client: int, session: list[Batch], out: Outcome) -> None:
