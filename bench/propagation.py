@@ -53,9 +53,9 @@ from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.store import Store, StoreError  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.readyset import ReadySet  # noqa: E402
-from proxy.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
 from proxy.stats import Stats  # noqa: E402
 from proxy.subscriber import RedisSource  # noqa: E402
+from proxy.wire.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
 
 PREFIX = "bench"
 SERVICE = "prop"

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # run as `python bench/waiters.py` without instal
 
 from proxy.pool import ReplicaPool  # noqa: E402
 from proxy.readyset import ReadySet, Replica  # noqa: E402
-from proxy.snapshot import ReadyReplica  # noqa: E402
+from proxy.wire.snapshot import ReadyReplica  # noqa: E402
 
 
 class Held:

@@ -53,15 +53,10 @@ from controlplane.models import Handle, ReplicaRecord, UpdateMode, check_service
 from controlplane.run import RunConfig, read_run_info, run_redis_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import redact_url
-from controlplane.store import (
-    DEFAULT_PREFIX,
-    ServiceNotFound,
-    Store,
-    StoreError,
-    StoreUnavailable,
-)
+from controlplane.store import ServiceNotFound, Store, StoreError, StoreUnavailable
 from proxy.cli import check_redis_url, proxy_command
-from proxy.errors import SluiceError
+from proxy.wire.errors import SluiceError
+from proxy.wire.keys import DEFAULT_PREFIX
 
 T = TypeVar("T")
 

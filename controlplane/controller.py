@@ -102,6 +102,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
+from proxy.wire.keys import DEFAULT_PREFIX
 
 log = logging.getLogger("sluice.controller")
 
@@ -132,7 +133,7 @@ class ControllerConfig:
 
     redis_url: str
     redis_ca_file: str | None = None  # the CA of a rediss:// server (None: the system's)
-    prefix: str = "sluice"
+    prefix: str = DEFAULT_PREFIX
     state_dir: Path
     drain_seconds: float = 120.0
     lease_ttl: float = 10.0
@@ -808,10 +809,10 @@ class Controller:
             return []
         if not plan.dirty:
             return []
-        launched: list[ReplicaRecord] = []
 
-        def mutate(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
-            launched.clear()
+        def mutate(
+            current: ServiceRecord, replicas: dict[int, ReplicaRecord]
+        ) -> tuple[Mutation, list[ReplicaRecord]]:
             if current != plan.record:
                 raise _Stale
             for replica_id in plan.changed:
@@ -820,23 +821,23 @@ class Controller:
             updates = [plan.table[i] for i in sorted(plan.changed) if i in plan.table]
             deletes = [i for i in sorted(plan.changed) if i not in plan.table]
             next_id = max(current.next_replica_id, max(replicas, default=0) + 1)
-            for template in plan.launches:
-                launched.append(msgspec.structs.replace(template, id=next_id))
-                next_id += 1
+            launched = [msgspec.structs.replace(template, id=next_id + i)
+                        for i, template in enumerate(plan.launches)]
+            next_id += len(launched)
             record = msgspec.structs.replace(
                 current,
                 status=plan.status if plan.status is not None else current.status,
                 next_replica_id=next_id,
                 ready_version=max(current.ready_version, plan.ready_version),
             )
-            return Mutation(
+            mutation = Mutation(
                 replica_updates=(*updates, *launched),
                 replica_deletes=tuple(deletes),
                 service_record=record,
             )
+            return mutation, launched
 
-        await self._store.commit_with(plan.name, mutate)
-        return list(launched)
+        return (await self._store.commit_with(plan.name, mutate)).result
 
     async def _after_commit(self, plan: _Plan, launched: list[ReplicaRecord]) -> None:
         name = plan.name

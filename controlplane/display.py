@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from controlplane.ops import ReplicaView, ServiceView
-from proxy.snapshot import ReadySnapshot
+from proxy.wire.snapshot import ReadySnapshot
 
 _NONE = "-"
 

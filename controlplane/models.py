@@ -20,8 +20,8 @@ from typing import Annotated
 
 import msgspec
 
-from proxy.errors import SluiceError
-from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from proxy.wire.errors import SluiceError
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
 #: Sky Serve's rule (sky/serve/constants.py SERVICE_NAME_VALID_REGEX), bounded like a DNS
 #: label: a name is used in Redis keys and state-dir paths, so `/`, `.` and `:` never are.
@@ -170,26 +170,6 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     fields: dict[str, str] = {}
 
 
-class InflightEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One proxy's in-flight counts, a field of the `{prefix}:svc:{name}:inflight` hash
-    (written by the proxy every second; `at` is its wall clock at the write)."""
-
-    at: float = 0.0
-    total: int = 0
-    replicas: dict[str, int] = {}  # replica URL -> requests in flight there
-
-
-class ProxyHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
-    """One proxy process's heartbeat, a field of `{prefix}:svc:{name}:proxies` (written
-    by the proxy every second; times are its wall clock)."""
-
-    generation: int = -1  # the snapshot generation it serves (-1: none yet)
-    applied_at: float = 0.0  # when it applied that generation
-    seen_at: float = 0.0  # when it wrote this heartbeat
-    connected: bool = False  # subscribed and in sync with Redis
-    recent: list[tuple[int, float]] = []  # (generation, applied_at) of its last applies
-
-
 class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
     """The controller's last autoscaling decision for a service, for `sluice status`.
 
@@ -210,18 +190,6 @@ class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
     inflight: float | None = None
 
 
-class Nudge(msgspec.Struct, frozen=True, kw_only=True):
-    """A message on `{prefix}:control`: reconcile `service` now.
-
-    `reason` is "changed" (an ops command wrote the service) or "demand" (a proxy
-    holds requests while the service has no replica). Ops scripts may publish the
-    bare service name instead of JSON; `decode_nudge` accepts both.
-    """
-
-    service: str
-    reason: str = "changed"
-
-
 class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     """One service as read in a single MULTI/EXEC: records and snapshot agree."""
 
@@ -229,23 +197,6 @@ class ServiceState(msgspec.Struct, frozen=True, kw_only=True):
     replicas: dict[int, ReplicaRecord]
     snapshot: ReadySnapshot | None
     generation: int
-
-
-_NUDGE_DECODER = msgspec.json.Decoder(Nudge)
-_ENCODER = msgspec.json.Encoder()
-
-
-def encode_nudge(nudge: Nudge) -> bytes:
-    """The JSON payload published on the control channel."""
-    return _ENCODER.encode(nudge)
-
-
-def decode_nudge(payload: bytes | str) -> Nudge:
-    """Parse a control-channel message: JSON Nudge, or a bare service name."""
-    raw = payload.encode() if isinstance(payload, str) else payload
-    if raw.lstrip().startswith(b"{"):
-        return _NUDGE_DECODER.decode(raw)
-    return Nudge(service=raw.decode().strip())
 
 
 def _routable(replicas: Iterable[ReplicaRecord]) -> list[ReplicaRecord]:

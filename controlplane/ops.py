@@ -43,7 +43,7 @@ from controlplane.models import (
 from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
 from controlplane.store import Mutation, ServiceNotFound, Store
-from proxy.errors import SluiceError
+from proxy.wire.errors import SluiceError
 
 #: Event kinds the controller and the ops commands append to a service's stream.
 EVENT_FAILURE = "failure"
@@ -192,10 +192,8 @@ async def update(
     current_raw = await store.spec(name, (await _record(store, name)).version)
     check_fixed_port(spec, ServiceSpec.from_json(current_raw) if current_raw else None)
     payload = spec.to_json()
-    new_version = 0
 
-    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> Mutation:
-        nonlocal new_version
+    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, int]:
         if current.status is ServiceStatus.SHUTTING_DOWN:
             raise ServiceShuttingDown(f"service {name!r} is shutting down")
         new_version = current.version + 1
@@ -207,9 +205,9 @@ async def update(
             prefix_options=spec.prefix_options,
             min_replicas={**current.min_replicas, new_version: spec.min_replicas},
         )
-        return Mutation(service_record=record, specs={new_version: payload})
+        return Mutation(service_record=record, specs={new_version: payload}), new_version
 
-    await store.commit_with(name, plan)
+    new_version = (await store.commit_with(name, plan)).result
     fields: dict[str, str | int | float] = {"version": new_version}
     if mode is not None:
         fields["mode"] = mode.value
@@ -255,12 +253,11 @@ async def down(store: Store, name: str, *, purge: bool = False) -> list[ReplicaR
             await store.unregister_service(name)
             return left
 
-    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> Mutation:
+    def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
         if current.status is ServiceStatus.SHUTTING_DOWN:
-            return Mutation()
-        return Mutation(
-            service_record=msgspec.structs.replace(current, status=ServiceStatus.SHUTTING_DOWN)
-        )
+            return Mutation(), None
+        down = msgspec.structs.replace(current, status=ServiceStatus.SHUTTING_DOWN)
+        return Mutation(service_record=down), None
 
     await store.commit_with(name, plan)
     await store.append_event(name, "down")
@@ -280,15 +277,14 @@ async def terminate_replica(
     given up launch again). Returns "terminated" or "purged". Raises ServiceNotFound,
     ReplicaNotFound, ReplicaBusy.
     """
-    action = "terminated"
 
-    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
-        nonlocal action
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, str]:
         replica = replicas.get(replica_id)
         if replica is None:
             raise ReplicaNotFound(f"service {name!r} has no replica {replica_id}")
         if replica.status is ReplicaStatus.SHUTTING_DOWN:
             raise ReplicaBusy(f"replica {replica_id} of {name!r} is already shutting down")
+        action = "terminated"
         if replica.status in FAILED_REPLICA_STATUSES or replica.status is ReplicaStatus.PREEMPTED:
             if not purge:
                 raise ReplicaBusy(
@@ -297,14 +293,14 @@ async def terminate_replica(
                 )
             action = "purged"
             if not replica.handle:  # nothing left to stop: forget it now
-                return Mutation(replica_deletes=(replica_id,))
+                return Mutation(replica_deletes=(replica_id,)), action
         # No timestamp: the controller stamps status_since with its own clock.
         leaving = msgspec.structs.replace(
             replica, status=ReplicaStatus.SHUTTING_DOWN, status_since=None
         )
-        return Mutation(replica_updates=(leaving,))
+        return Mutation(replica_updates=(leaving,)), action
 
-    await store.commit_with(name, plan)
+    action = (await store.commit_with(name, plan)).result
     await store.append_event(name, "drain", {"replica": replica_id, "reason": action})
     await store.nudge(name)
     return action
@@ -332,10 +328,8 @@ async def add_replica(
     if spec_raw is not None:
         spec = ServiceSpec.from_json(spec_raw)
         target_qps = spec.service.scaling.target_qps_for(accelerator)
-    replica_id = 0
 
-    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
-        nonlocal replica_id
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, int]:
         if current.status is ServiceStatus.SHUTTING_DOWN:
             raise ServiceShuttingDown(f"service {name!r} is shutting down")
         for replica in replicas.values():
@@ -355,9 +349,9 @@ async def add_replica(
             target_qps=target_qps,
         )
         record = msgspec.structs.replace(current, next_replica_id=replica_id + 1)
-        return Mutation(replica_updates=(replica,), service_record=record)
+        return Mutation(replica_updates=(replica,), service_record=record), replica_id
 
-    await store.commit_with(name, plan)
+    replica_id = (await store.commit_with(name, plan)).result
     added: dict[str, str | int | float] = {"replica": replica_id, "url": url}
     await store.append_event(name, "launch", {**added, "backend": "external"})
     await store.nudge(name)
@@ -372,23 +366,19 @@ async def remove_replica(store: Store, name: str, url: str) -> None:
     killed. Raises ServiceNotFound, ReplicaNotFound.
     """
     url = url.rstrip("/")
-    removed = 0
 
-    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
-        nonlocal removed
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, int]:
         for replica in replicas.values():
             if replica.url == url and replica.backend == "external":
                 if replica.status is ReplicaStatus.SHUTTING_DOWN:
-                    removed = replica.id
-                    return Mutation()
-                removed = replica.id
+                    return Mutation(), replica.id
                 drained = msgspec.structs.replace(
                     replica, status=ReplicaStatus.SHUTTING_DOWN, status_since=None
                 )
-                return Mutation(replica_updates=(drained,))
+                return Mutation(replica_updates=(drained,)), replica.id
         raise ReplicaNotFound(f"service {name!r} has no external replica at {url}")
 
-    await store.commit_with(name, plan)
+    removed = (await store.commit_with(name, plan)).result
     drained: dict[str, str | int | float] = {"replica": removed, "url": url}
     await store.append_event(name, "drain", {**drained, "reason": "removed"})
     await store.nudge(name)
@@ -404,7 +394,7 @@ async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
     already failed, preempted or shutting down).
     """
 
-    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
         replica = replicas.get(replica_id)
         if replica is None or replica.status in _GONE:
             raise ReplicaNotFound(f"service {name!r} has no live replica {replica_id}")
@@ -412,7 +402,7 @@ async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
         preempted = msgspec.structs.replace(
             replica, status=ReplicaStatus.PREEMPTED, status_since=None
         )
-        return Mutation(replica_updates=(preempted,))
+        return Mutation(replica_updates=(preempted,)), None
 
     await store.commit_with(name, plan)
     await store.append_event(name, "preempt", {"replica": replica_id})

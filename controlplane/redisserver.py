@@ -39,7 +39,7 @@ from urllib.parse import quote
 
 from controlplane.processes import die_with_parent_hook, free_port
 from controlplane.statedir import private_dir, write_private
-from proxy.errors import SluiceError
+from proxy.wire.errors import SluiceError
 
 log = logging.getLogger("sluice.redis")
 

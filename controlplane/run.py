@@ -73,7 +73,7 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
-from proxy.errors import SluiceError
+from proxy.wire.errors import SluiceError
 
 log = logging.getLogger("sluice.run")
 

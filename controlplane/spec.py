@@ -48,7 +48,8 @@ import msgspec
 import yaml
 from msgspec import Meta
 
-from proxy.snapshot import PrefixOptions
+from proxy.wire.policies import POLICY_NAMES
+from proxy.wire.snapshot import PrefixOptions
 
 # Sky Serve's defaults (sky/serve/constants.py and the replica manager).
 DEFAULT_MIN_REPLICAS = 1
@@ -61,10 +62,6 @@ DEFAULT_DOWNSCALE_DELAY_SECONDS = 1200.0
 DEFAULT_STREAM_TIMEOUT_SECONDS = 120.0
 DEFAULT_LOAD_BALANCING_POLICY = "least_load"
 
-# The proxy's policy names (proxy/policies.py); controlplane imports only the
-# wire contract from proxy, and a test keeps the two lists equal.
-LOAD_BALANCING_POLICIES = ("least_load", "round_robin", "instance_aware_least_load", "p2c",
-                           "prefix")
 INSTANCE_AWARE = "instance_aware_least_load"
 
 # Service fields whose change never needs a new replica process: they steer
@@ -214,7 +211,7 @@ class LoadBalancer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`service.sluice.prefix`: options of the `prefix` policy (proxy/snapshot.py PrefixOptions)."""
+    """`service.sluice.prefix`: the `prefix` policy's options (wire: PrefixOptions)."""
 
     block_bytes: Annotated[int, Meta(ge=16, le=65536)] = 256
     prefix_bytes: Annotated[int, Meta(ge=16, le=1 << 20)] = 16384
@@ -257,10 +254,10 @@ class ServiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if isinstance(self.readiness_probe, str):
             _check_probe_path(self.readiness_probe, "readiness_probe")
         policy = self.load_balancing_policy
-        if policy not in LOAD_BALANCING_POLICIES:
+        if policy not in POLICY_NAMES:
             raise ValueError(
                 f"load_balancing_policy: unknown policy {policy!r}; "
-                f"expected one of {', '.join(LOAD_BALANCING_POLICIES)}"
+                f"expected one of {', '.join(POLICY_NAMES)}"
             )
         if self.sluice is not None and self.sluice.prefix is not None and policy != "prefix":
             raise ValueError(

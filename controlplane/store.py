@@ -1,24 +1,6 @@
-"""Every Redis key of sluice, and the only control-plane code that reads or writes them.
+"""The only control-plane code that reads or writes sluice's Redis keys.
 
-Keys (prefix configurable, default `sluice`; `Keys` names each one):
-
-    {p}:services                  set      service names
-    {p}:svc:{name}                hash     ServiceRecord, one field per attribute
-                                           (strings raw, everything else JSON)
-    {p}:svc:{name}:spec:{v}       string   the service spec of version v (JSON)
-    {p}:svc:{name}:replicas       hash     replica id -> ReplicaRecord (JSON)
-    {p}:svc:{name}:snapshot       string   latest ReadySnapshot (JSON)
-    {p}:svc:{name}:gen            string   generation counter (INCR); survives unregister
-    {p}:svc:{name}:ready          channel  every new ReadySnapshot
-    {p}:svc:{name}:rps            hash     unix second -> request count (proxies HINCRBY)
-    {p}:svc:{name}:inflight       hash     proxy id -> InflightEntry JSON (proxies write)
-    {p}:svc:{name}:proxies        hash     proxy id -> ProxyHeartbeat JSON (proxies write,
-                                           every second; stale ones pruned by readers)
-    {p}:svc:{name}:autoscaler     string   last AutoscalerStatus (JSON; controller writes)
-    {p}:svc:{name}:events         stream   audit trail
-    {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
-    {p}:leader                    string   controller leader lease (with TTL)
-    {p}:op:{id}                   string   marks transaction {id} as applied (TTL 60 s)
+The keys are named once, in proxy/wire/keys.py (`Keys`, with the table of them).
 
 The ready set changes only through `Store.commit`: under WATCH on the service
 record, the replica table and the generation, it reads them, applies the change,
@@ -58,7 +40,7 @@ import types
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
@@ -71,24 +53,20 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from controlplane.models import (
     AutoscalerStatus,
     Event,
-    InflightEntry,
-    Nudge,
-    ProxyHeartbeat,
     ReplicaRecord,
     ServiceRecord,
     ServiceState,
     ServiceStatus,
     compute_snapshot,
-    decode_nudge,
-    encode_nudge,
 )
-from proxy.errors import SluiceError, SnapshotInvalid
 from proxy.redisurl import client_from_url, redis_tls_options
-from proxy.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
+from proxy.wire.errors import SluiceError, SnapshotInvalid
+from proxy.wire.keys import DEFAULT_PREFIX, Keys
+from proxy.wire.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
+from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, decode_nudge, encode_nudge
 
 log = logging.getLogger("sluice.store")
 
-DEFAULT_PREFIX = "sluice"
 # Pause after a lost WATCH race: uniform in [0, min(max, min * 2**attempt)] seconds.
 _RETRY_PAUSE_MIN = 0.0005
 _RETRY_PAUSE_MAX = 0.02
@@ -132,78 +110,6 @@ class LeaseLost(StoreError):
 
 class RecordInvalid(StoreError):
     """A record stored in Redis failed to decode (written by hand, or corrupt)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Keys:
-    """Names every Redis key and channel. `proxy/subscriber.py` repeats three of them
-    (snapshot, ready, rps) because the proxy may not import the control plane; a test
-    asserts they match."""
-
-    prefix: str = DEFAULT_PREFIX
-
-    @property
-    def services(self) -> str:
-        """Set of service names."""
-        return f"{self.prefix}:services"
-
-    @property
-    def control(self) -> str:
-        """Pub/sub channel of nudges to the controller."""
-        return f"{self.prefix}:control"
-
-    @property
-    def leader(self) -> str:
-        """The controller leader lease."""
-        return f"{self.prefix}:leader"
-
-    def op(self, op_id: str) -> str:
-        """Marks the transaction `op_id` as applied (short TTL)."""
-        return f"{self.prefix}:op:{op_id}"
-
-    def service(self, name: str) -> str:
-        """Hash holding the ServiceRecord."""
-        return f"{self.prefix}:svc:{name}"
-
-    def spec(self, name: str, version: int) -> str:
-        """String holding the spec JSON of one version."""
-        return f"{self.prefix}:svc:{name}:spec:{version}"
-
-    def replicas(self, name: str) -> str:
-        """Hash replica id -> ReplicaRecord JSON."""
-        return f"{self.prefix}:svc:{name}:replicas"
-
-    def snapshot(self, name: str) -> str:
-        """String holding the latest ReadySnapshot JSON."""
-        return f"{self.prefix}:svc:{name}:snapshot"
-
-    def gen(self, name: str) -> str:
-        """The generation counter."""
-        return f"{self.prefix}:svc:{name}:gen"
-
-    def ready(self, name: str) -> str:
-        """Pub/sub channel carrying every new ReadySnapshot."""
-        return f"{self.prefix}:svc:{name}:ready"
-
-    def rps(self, name: str) -> str:
-        """Hash unix second -> request count."""
-        return f"{self.prefix}:svc:{name}:rps"
-
-    def inflight(self, name: str) -> str:
-        """Hash proxy id -> in-flight counts."""
-        return f"{self.prefix}:svc:{name}:inflight"
-
-    def proxies(self, name: str) -> str:
-        """Hash proxy id -> ProxyHeartbeat JSON (each proxy process writes its own)."""
-        return f"{self.prefix}:svc:{name}:proxies"
-
-    def autoscaler(self, name: str) -> str:
-        """String holding the controller's last AutoscalerStatus JSON."""
-        return f"{self.prefix}:svc:{name}:autoscaler"
-
-    def events(self, name: str) -> str:
-        """Stream of audit events."""
-        return f"{self.prefix}:svc:{name}:events"
 
 
 # -- the service record as a hash ------------------------------------------------------------
@@ -325,8 +231,20 @@ class Mutation(NamedTuple):
     specs: Mapping[int, bytes] = {}
 
 
-#: Given the service record and replica table as they are under WATCH, what to write.
-MutationPlan = Callable[[ServiceRecord, dict[int, ReplicaRecord]], Mutation]
+R = TypeVar("R")
+
+#: Given the service record and replica table as they are under WATCH: what to write, and
+#: what the caller learns from it (e.g. the id it gave a new replica; None when nothing).
+MutationPlan = Callable[[ServiceRecord, dict[int, ReplicaRecord]], tuple[Mutation, R]]
+
+
+@dataclass(frozen=True, slots=True)
+class Committed(Generic[R]):
+    """What `Store.commit_with` returns: the snapshot after the commit and the result of
+    the plan run that was written."""
+
+    snapshot: ReadySnapshot
+    result: R
 
 
 class Store:
@@ -531,21 +449,25 @@ class Store:
         return await self._transact(service, plan, force=force)
 
     async def commit_with(
-        self, service: str, plan: MutationPlan, *, force: bool = False
-    ) -> ReadySnapshot:
+        self, service: str, plan: MutationPlan[R], *, force: bool = False
+    ) -> Committed[R]:
         """Read-modify-write commit: `plan` gets the record and replica table as read under
-        WATCH and returns the Mutation to write, atomically as `commit` does.
+        WATCH and returns the Mutation to write (atomically, as `commit` does) with a
+        result, which is returned with the new snapshot.
 
         When another writer gets in first, `plan` runs again on fresh data, so it must
-        be free of side effects; an exception it raises propagates (nothing written).
+        be free of side effects; the result returned is the one of the run whose Mutation
+        was written. An exception `plan` raises propagates (nothing written).
         Raises ServiceNotFound, ValueError on a contradictory Mutation, CommitConflict.
         """
         k = self.keys
+        results: list[R] = []  # the result of the latest plan run
 
         def planner(current: ServiceRecord | None, table: Mapping[bytes, bytes]) -> _Change:
             if current is None:
                 raise ServiceNotFound(f"no service {service!r}")
-            mutation = plan(current, _decode_replicas(service, dict(table.items())))
+            mutation, result = plan(current, _decode_replicas(service, dict(table.items())))
+            results[:] = [result]
             upserts = _validated(service, mutation.replica_updates)
             deletes = tuple(dict.fromkeys(mutation.replica_deletes))
             ids = [r.id for r in upserts]
@@ -562,7 +484,8 @@ class Store:
 
             return _Change(record, upserts, deletes, extra if specs else None)
 
-        return await self._transact(service, planner, force=force)
+        snapshot = await self._transact(service, planner, force=force)
+        return Committed(snapshot, results[0])
 
     async def register_service(self, record: ServiceRecord, spec: bytes | str) -> ReadySnapshot:
         """Create a service: its record, the spec of `record.version`, membership in the

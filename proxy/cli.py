@@ -25,8 +25,9 @@ from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
 from proxy.redisurl import RedisURLError, validate
-from proxy.snapshot import PrefixOptions
 from proxy.supervisor import Supervisor
+from proxy.wire.keys import DEFAULT_PREFIX
+from proxy.wire.snapshot import PrefixOptions
 
 log = logging.getLogger("sluice.proxy")
 
@@ -163,8 +164,8 @@ class _ProxyCommand(click.Command):
               help="CA certificate(s) that signed the rediss:// server's certificate "
                    "(default: the system's). Env: SLUICE_REDIS_CA_FILE.")
 @click.option("--service", help="Service name whose ready set to follow (with --redis).")
-@click.option("--redis-prefix", "--prefix", "redis_prefix", default="sluice", show_default=True,
-              help="Redis key prefix.")
+@click.option("--redis-prefix", "--prefix", "redis_prefix", default=DEFAULT_PREFIX,
+              show_default=True, help="Redis key prefix.")
 @click.option("--controller-addr", help="Drop-in mode: URL of an unmodified Sky Serve "
               "controller to sync the ready set from.")
 @click.option("--sync-interval", type=float, default=5.0, show_default=True,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.snapshot import PrefixOptions
+from proxy.wire.keys import DEFAULT_PREFIX
+from proxy.wire.snapshot import PrefixOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +20,7 @@ class ProxyConfig:
     replicas: tuple[str, ...] = ()
     redis_url: str | None = None
     service: str | None = None
-    redis_prefix: str = "sluice"
+    redis_prefix: str = DEFAULT_PREFIX
     redis_ca_file: str | None = None  # CA bundle that signed a rediss:// server's certificate
     controller_addr: str | None = None
     sync_interval: float = 5.0

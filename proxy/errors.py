@@ -1,8 +1,8 @@
 """The proxy's error tree. Library errors are translated at one boundary.
 
-    SluiceError
+    SluiceError              (proxy/wire/errors.py, shared with the control plane)
     ├── ConfigError          bad command line or config (startup refuses)
-    ├── SnapshotInvalid      a ReadySnapshot payload failed validation
+    ├── SnapshotInvalid      a ReadySnapshot payload failed validation (proxy/wire/errors.py)
     └── UpstreamError        one attempt against a replica failed
         ├── UpstreamConnectError   could not connect (refused, timeout, TLS)
         └── UpstreamResetError     connection lost before response headers
@@ -10,17 +10,11 @@
 
 from __future__ import annotations
 
-
-class SluiceError(Exception):
-    """Base of every error sluice raises on purpose."""
+from proxy.wire.errors import SluiceError
 
 
 class ConfigError(SluiceError):
     """Invalid configuration; the message names the option."""
-
-
-class SnapshotInvalid(SluiceError):
-    """A ReadySnapshot payload that failed validation; the set is kept."""
 
 
 class UpstreamError(SluiceError):

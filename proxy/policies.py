@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from proxy.errors import ConfigError
 from proxy.prefix import PrefixPolicy
-from proxy.snapshot import PrefixOptions
+from proxy.wire.policies import POLICY_NAMES
+from proxy.wire.snapshot import PrefixOptions
 
 if TYPE_CHECKING:
     from proxy.prefix import Routable
@@ -199,6 +200,9 @@ POLICIES: dict[str, type[LeastLoad | RoundRobin | InstanceAwareLeastLoad | Power
     "p2c": PowerOfTwoChoices,
     "prefix": PrefixPolicy,
 }
+if tuple(POLICIES) != POLICY_NAMES:  # pragma: no cover - a contract edit missed one side
+    raise ImportError(f"proxy/policies.py implements {tuple(POLICIES)}, "
+                      f"proxy/wire/policies.py names {POLICY_NAMES}")
 
 
 def make_policy(name: str, target_qps: dict[str, float] | None = None,

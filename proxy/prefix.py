@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 from zlib import crc32
 
-from proxy.snapshot import PrefixOptions
+from proxy.wire.snapshot import PrefixOptions
 
 if TYPE_CHECKING:
     from proxy.policies import Policy

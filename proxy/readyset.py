@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import quote, urlsplit
 
-from proxy.errors import ConfigError, SnapshotInvalid
+from proxy.errors import ConfigError
 from proxy.policies import Policy, make_policy
-from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from proxy.waiters import WaiterQueue
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
 if TYPE_CHECKING:
     from proxy.prefix import Routable

@@ -51,11 +51,11 @@ import msgspec
 from aiohttp import web
 
 from proxy.config import ProxyConfig
-from proxy.errors import SnapshotInvalid
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 
 log = logging.getLogger("sluice.proxy.skyserve")
 

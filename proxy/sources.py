@@ -13,9 +13,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from proxy.errors import ConfigError, SnapshotInvalid
+from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 
 
 class Source(Protocol):

@@ -32,8 +32,7 @@ publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
 
-The proxy never imports the control plane, so the key names below are
-spelled here too; they must match `controlplane.store.Keys` (a test checks).
+Key names and payload structs come from the wire contract (proxy/wire/).
 """
 
 from __future__ import annotations
@@ -57,47 +56,20 @@ from redis.backoff import NoBackoff
 
 from proxy.compat import timeout
 from proxy.config import ProxyConfig
-from proxy.errors import ConfigError, SnapshotInvalid
+from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
-from proxy.snapshot import decode_snapshot
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.keys import Keys
+from proxy.wire.snapshot import decode_snapshot
+from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, encode_nudge
 
 log = logging.getLogger("sluice.proxy.redis")
 
 
-def snapshot_key(prefix: str, service: str) -> str:
-    """The string holding the latest ReadySnapshot (= controlplane Keys.snapshot)."""
-    return f"{prefix}:svc:{service}:snapshot"
-
-
-def ready_channel(prefix: str, service: str) -> str:
-    """The channel every new ReadySnapshot is published on (= controlplane Keys.ready)."""
-    return f"{prefix}:svc:{service}:ready"
-
-
-def rps_key(prefix: str, service: str) -> str:
-    """The hash of per-second request counts (= controlplane Keys.rps)."""
-    return f"{prefix}:svc:{service}:rps"
-
-
-def inflight_key(prefix: str, service: str) -> str:
-    """The hash of in-flight counts per proxy (= controlplane Keys.inflight)."""
-    return f"{prefix}:svc:{service}:inflight"
-
-
-def proxies_key(prefix: str, service: str) -> str:
-    """The hash of proxy heartbeats: proxy id -> generation served (= controlplane Keys.proxies)."""
-    return f"{prefix}:svc:{service}:proxies"
-
-
-def control_channel(prefix: str) -> str:
-    """The controller's nudge channel (= controlplane Keys.control)."""
-    return f"{prefix}:control"
-
-
-_INFLIGHT = msgspec.json.Encoder()
+_ENCODER = msgspec.json.Encoder()
 _RECENT_APPLIES = 32
 
 
@@ -132,14 +104,15 @@ class RedisSource:
         self._tls = redis_tls_options(config.redis_url, config.redis_ca_file)
         self._service = config.service
         self._stats = stats
-        self._snapshot_key = snapshot_key(config.redis_prefix, config.service)
-        self._channel = ready_channel(config.redis_prefix, config.service)
-        self._rps_key = rps_key(config.redis_prefix, config.service)
-        self._inflight_key = inflight_key(config.redis_prefix, config.service)
-        self._proxies_key = proxies_key(config.redis_prefix, config.service)
-        self._control = control_channel(config.redis_prefix)
+        keys = Keys(config.redis_prefix)
+        self._snapshot_key = keys.snapshot(config.service)
+        self._channel = keys.ready(config.service)
+        self._rps_key = keys.rps(config.service)
+        self._inflight_key = keys.inflight(config.service)
+        self._proxies_key = keys.proxies(config.service)
+        self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
-        self._nudge = _INFLIGHT.encode({"service": config.service, "reason": "demand"})
+        self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
         # The safety-net re-GET shares the sync interval of the other sources (5 s).
         self._resync_interval = config.sync_interval if resync_interval is None else resync_interval
         self._command_timeout = config.sync_timeout
@@ -394,20 +367,20 @@ class RedisSource:
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None
         per_replica = {r.url: r.inflight for r in self._ready_set.known.values() if r.inflight}
-        return _INFLIGHT.encode(
-            {"at": now, "total": sum(per_replica.values()), "replicas": per_replica})
+        return _ENCODER.encode(
+            InflightEntry(at=now, total=sum(per_replica.values()), replicas=per_replica))
 
     def _heartbeat_payload(self, now: float) -> bytes:
-        """What `sluice status` reads to show convergence (controlplane ProxyHeartbeat)."""
+        """What `sluice status` reads to show convergence."""
         assert self._ready_set is not None
         ready_set = self._ready_set
-        return _INFLIGHT.encode({
-            "generation": ready_set.generation,
-            "applied_at": ready_set.applied_at,
-            "seen_at": now,
-            "connected": self._stats.source_connected == 1,
-            "recent": list(self._applies),
-        })
+        return _ENCODER.encode(ProxyHeartbeat(
+            generation=ready_set.generation,
+            applied_at=ready_set.applied_at,
+            seen_at=now,
+            connected=self._stats.source_connected == 1,
+            recent=list(self._applies),
+        ))
 
     # -- demand -------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from controlplane.models import Handle
 from controlplane.spec import ServiceSpec
-from proxy.errors import SluiceError
+from proxy.wire.errors import SluiceError
 
 
 class BackendError(SluiceError):

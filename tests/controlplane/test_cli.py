@@ -26,7 +26,7 @@ from controlplane.cli import cli
 from controlplane.display import duration
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
-from proxy.snapshot import ReadySnapshot
+from proxy.wire.snapshot import ReadySnapshot
 from tests.fixtures_replicas import HOST, REPO, free_port, http_get
 
 ECHO = REPO / "examples" / "echo.yaml"

@@ -35,7 +35,7 @@ from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceStatus, Upd
 from controlplane.prober import Prober, ProbeResult, apply_exit, apply_probe
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.store import ServiceExists, ServiceNotFound, Store
-from proxy.snapshot import ReadySnapshot, decode_snapshot
+from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from tests.controlplane.traffic import Traffic
 from tests.fixtures_redis import eventually
 from tests.fixtures_replicas import ProxyFactory, ReplicaFactory, free_port

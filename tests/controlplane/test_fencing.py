@@ -238,14 +238,14 @@ async def test_a_lease_taken_between_read_and_exec_aborts_the_commit(
     thief = redis.Redis.from_url(redis_url)
     plans = 0
 
-    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> Mutation:
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
         nonlocal plans
         plans += 1
         # After the fenced store read the lease (its own) and before its EXEC: a
         # successor takes the lease over (its holder expired and another acquired it).
         thief.set(store.keys.leader, "successor")
         replica = ReplicaRecord(id=1, status=ReplicaStatus.STARTING, url="http://127.0.0.1:9")
-        return Mutation(replica_updates=(replica,))
+        return Mutation(replica_updates=(replica,)), None
 
     try:
         with pytest.raises(LeaseLost, match="successor"):

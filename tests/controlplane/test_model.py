@@ -47,8 +47,8 @@ from controlplane.models import (
 from controlplane.prober import ProbeResult
 from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
-from controlplane.store import MutationPlan, Store
-from proxy.snapshot import ReadySnapshot
+from controlplane.store import Committed, MutationPlan, R, Store
+from proxy.wire.snapshot import ReadySnapshot
 
 NAME = "svc"
 DRAIN = 5.0
@@ -148,12 +148,12 @@ class CheckedStore(Store):
         self.operator_removes = False  # an operator may empty the set by removing replicas
 
     async def commit_with(
-        self, service: str, plan: MutationPlan, *, force: bool = False
-    ) -> ReadySnapshot:
+        self, service: str, plan: MutationPlan[R], *, force: bool = False
+    ) -> Committed[R]:
         before = await self.read_state(service)
-        snapshot = await super().commit_with(service, plan, force=force)
-        await self._check(service, before.snapshot if before else None, snapshot)
-        return snapshot
+        committed = await super().commit_with(service, plan, force=force)
+        await self._check(service, before.snapshot if before else None, committed.snapshot)
+        return committed
 
     async def commit(self, service: str, **kwargs: Any) -> ReadySnapshot:
         before = await self.read_state(service)
@@ -467,8 +467,8 @@ class InterferingStore(CheckedStore):
     interfere: Any = None
 
     async def commit_with(
-        self, service: str, plan: MutationPlan, *, force: bool = False
-    ) -> ReadySnapshot:
+        self, service: str, plan: MutationPlan[R], *, force: bool = False
+    ) -> Committed[R]:
         if self.interfere is not None:
             interfere, self.interfere = self.interfere, None
             await interfere()

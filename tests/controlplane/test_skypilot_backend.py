@@ -495,11 +495,11 @@ async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones
     await fake.add_running("t-gone-r1-v1", task_config(spec, replica_id=1, port=8080))
     await fake.add_running("someone-elses-cluster", task_config(spec, replica_id=1, port=8080))
 
-    def plan(current: Any, replicas: dict[int, ReplicaRecord]) -> Mutation:
+    def plan(current: Any, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
         unrecorded = ReplicaRecord(
             id=3, status=ReplicaStatus.PROVISIONING, version=1, backend="skypilot"
         )
-        return Mutation(replica_updates=(unrecorded,))
+        return Mutation(replica_updates=(unrecorded,)), None
 
     await store.commit_with("svc", plan)
     launches_before = len(fake.launches)

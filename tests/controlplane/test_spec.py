@@ -18,7 +18,6 @@ import msgspec
 import pytest
 
 from controlplane.spec import (
-    LOAD_BALANCING_POLICIES,
     ReadinessProbe,
     ReplicaPolicy,
     ServiceSpec,
@@ -28,6 +27,7 @@ from controlplane.spec import (
     parse_spec,
     port_ranges,
 )
+from proxy.wire.policies import POLICY_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -536,7 +536,7 @@ def test_per_accelerator_target_qps() -> None:
     assert scaling.target_qps_for(None) is None
 
 
-@pytest.mark.parametrize("policy", LOAD_BALANCING_POLICIES)
+@pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_policy_is_accepted(policy: str) -> None:
     service: dict[str, Any] = {"load_balancing_policy": policy, "replicas": 1}
     if policy == "instance_aware_least_load":
@@ -545,12 +545,6 @@ def test_every_policy_is_accepted(policy: str) -> None:
             "replica_policy": {**AUTOSCALE, "target_qps_per_replica": {"A100": 1}},
         }
     assert parse_spec(service_with(**service)).service.load_balancing_policy == policy
-
-
-def test_policy_names_match_the_proxy() -> None:
-    from proxy.policies import POLICIES
-
-    assert set(LOAD_BALANCING_POLICIES) == set(POLICIES)
 
 
 def test_task_fields() -> None:
@@ -1031,7 +1025,7 @@ def test_cli_envs_and_secrets_override_the_yaml_before_substitution(tmp_path: Pa
 
 
 def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
-    from proxy.snapshot import PrefixOptions
+    from proxy.wire.snapshot import PrefixOptions
 
     spec = parse_spec(service_with(replicas=2, load_balancing_policy="prefix", sluice={
         "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True}}))

@@ -7,6 +7,7 @@ import socket
 
 import msgspec
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from controlplane.models import (
@@ -18,12 +19,11 @@ from controlplane.models import (
     UpdateMode,
     compute_active_versions,
     compute_snapshot,
-    decode_nudge,
     same_ready_set,
 )
 from controlplane.store import (
     CommitConflict,
-    Keys,
+    Mutation,
     RecordInvalid,
     ServiceExists,
     ServiceNotFound,
@@ -32,7 +32,9 @@ from controlplane.store import (
     decode_service_record,
     encode_service_record,
 )
-from proxy.snapshot import decode_snapshot
+from proxy.wire.keys import Keys
+from proxy.wire.snapshot import decode_snapshot
+from proxy.wire.telemetry import decode_nudge
 
 READY = ReplicaStatus.READY
 replace = msgspec.structs.replace
@@ -504,7 +506,7 @@ async def test_reads_of_an_unknown_service_are_empty(store: Store) -> None:
 
 
 async def test_prefix_options_reach_the_snapshot_and_a_change_publishes(store: Store) -> None:
-    from proxy.snapshot import PrefixOptions
+    from proxy.wire.snapshot import PrefixOptions
 
     options = PrefixOptions(epsilon=0.75)
     record = await registered(store, policy="prefix", prefix_options=options)
@@ -519,3 +521,28 @@ async def test_prefix_options_reach_the_snapshot_and_a_change_publishes(store: S
     assert changed.generation == first.generation + 1
     assert changed.prefix_options == PrefixOptions(epsilon=1.5)
     assert not same_ready_set(changed, first)
+
+
+async def test_commit_with_returns_the_result_of_the_plan_run_it_wrote(
+    store: Store, redis_url: str
+) -> None:
+    """A write between the plan's read and its EXEC makes the plan run again; the result
+    returned is the second run's, which saw the interfering write."""
+    await registered(store)
+    runs: list[list[int]] = []
+    other_writer = redis.Redis.from_url(redis_url)
+
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, int]:
+        runs.append(sorted(replicas))
+        if len(runs) == 1:  # another writer gets in after this run read the table
+            other_writer.hset(store.keys.replicas("svc"), "7", msgspec.json.encode(replica(7)))
+        new_id = max(replicas, default=0) + 1
+        return Mutation(replica_updates=(replica(new_id),)), new_id
+
+    try:
+        committed = await store.commit_with("svc", plan)
+    finally:
+        other_writer.close()
+    assert runs == [[], [7]]
+    assert committed.result == 8
+    assert sorted(r.id for r in committed.snapshot.replicas) == [7, 8]

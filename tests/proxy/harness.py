@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import ProxyApp
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 from tests.fixtures_replicas import Replica
 
 HOST = "127.0.0.1"

@@ -21,9 +21,9 @@ import redis.asyncio as aioredis
 
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
 from controlplane.store import Store
-from proxy.errors import SnapshotInvalid
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot, decode_snapshot
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot, decode_snapshot
 from tests.fixtures_replicas import REPO, Proxy, ProxyFactory, ReplicaFactory, free_port
 from tests.proxy import rawhttp
 from tests.proxy.harness import HOST, get_json, metric, scrape, until

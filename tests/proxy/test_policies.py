@@ -23,7 +23,8 @@ from proxy.policies import (
     make_policy,
 )
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot
+from proxy.wire.policies import POLICY_NAMES
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 from tests.fixtures_replicas import ProxyFactory, Replica, ReplicaFactory
 from tests.proxy.harness import (
     BASE_ARGS,
@@ -33,8 +34,6 @@ from tests.proxy.harness import (
     replica_stats,
     until,
 )
-
-VALID = ("instance_aware_least_load", "least_load", "p2c", "prefix", "round_robin")
 
 
 @dataclass(eq=False)  # hashed by identity, like the real Replica
@@ -193,8 +192,8 @@ def test_p2c_exclusion_and_edges() -> None:
 
 
 def test_registry_and_make_policy() -> None:
-    assert tuple(sorted(POLICIES)) == VALID
-    for name in VALID:
+    assert tuple(POLICIES) == POLICY_NAMES
+    for name in POLICY_NAMES:
         assert make_policy(name).name == name
     aware = make_policy("instance_aware_least_load", {"H100": 8.0})
     assert aware.weight_of(Fake("x", accelerator="H100:4")) == 8.0
@@ -205,7 +204,7 @@ def test_unknown_policy_is_a_config_error_listing_the_valid_ones() -> None:
         make_policy("fastest")
     message = str(info.value)
     assert "fastest" in message
-    for name in VALID:
+    for name in POLICY_NAMES:
         assert name in message
 
 
@@ -213,7 +212,7 @@ def test_unknown_policy_on_the_command_line_is_refused_at_startup() -> None:
     result = CliRunner().invoke(
         proxy_command, ["--replicas", "http://127.0.0.1:1", "--policy", "fastest"])
     assert result.exit_code == 2
-    for name in VALID:
+    for name in POLICY_NAMES:
         assert name in result.output
 
 

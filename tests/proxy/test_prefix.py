@@ -18,7 +18,7 @@ import pytest
 
 from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
 from proxy.readyset import ReadySet
-from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
 from tests.proxy.harness import BASE_ARGS, metric, replica_stats, scrape
 from tests.proxy.rawhttp import connect
@@ -355,7 +355,7 @@ def test_old_proxies_read_snapshots_with_prefix_options() -> None:
     """A proxy that predates the field ignores it (wire structs allow unknown fields)."""
     import msgspec
 
-    from proxy.snapshot import decode_snapshot, encode_snapshot
+    from proxy.wire.snapshot import decode_snapshot, encode_snapshot
 
     class OldSnapshot(msgspec.Struct, kw_only=True):
         service: str

@@ -18,9 +18,9 @@ from controlplane.redissentinel import SentinelGroup
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadySnapshot
 from proxy.stats import Stats
 from proxy.subscriber import RedisSource
+from proxy.wire.snapshot import ReadySnapshot
 from tests.fixtures_redis import eventually
 from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
 from tests.proxy.harness import get_json, until

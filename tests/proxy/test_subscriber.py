@@ -12,21 +12,14 @@ import redis.asyncio as aioredis
 
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.store import Keys, Store
+from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
-from proxy.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
 from proxy.stats import Stats
-from proxy.subscriber import (
-    RedisSource,
-    control_channel,
-    inflight_key,
-    proxies_key,
-    ready_channel,
-    rps_key,
-    snapshot_key,
-)
+from proxy.subscriber import RedisSource
+from proxy.wire.keys import Keys
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
 from tests.fixtures_redis import eventually
 
 
@@ -107,15 +100,16 @@ async def register(store: Store) -> None:
     await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY), b"{}")
 
 
-def test_key_names_match_the_store() -> None:
-    for prefix in ("sluice", "t1-abc"):
-        keys = Keys(prefix)
-        assert snapshot_key(prefix, "svc") == keys.snapshot("svc")
-        assert ready_channel(prefix, "svc") == keys.ready("svc")
-        assert rps_key(prefix, "svc") == keys.rps("svc")
-        assert inflight_key(prefix, "svc") == keys.inflight("svc")
-        assert proxies_key(prefix, "svc") == keys.proxies("svc")
-        assert control_channel(prefix) == keys.control
+def test_the_keys_a_proxy_uses_are_the_documented_ones() -> None:
+    """The names in docs/redis.md; a change here breaks every deployed proxy."""
+    keys = Keys("t1-abc")
+    assert keys.snapshot("svc") == "t1-abc:svc:svc:snapshot"
+    assert keys.ready("svc") == "t1-abc:svc:svc:ready"
+    assert keys.rps("svc") == "t1-abc:svc:svc:rps"
+    assert keys.inflight("svc") == "t1-abc:svc:svc:inflight"
+    assert keys.proxies("svc") == "t1-abc:svc:svc:proxies"
+    assert keys.control == "t1-abc:control"
+    assert Keys().prefix == "sluice"
 
 
 async def test_a_proxy_started_after_the_commit_gets_the_snapshot(
@@ -285,7 +279,7 @@ async def test_request_counts_are_flushed_to_the_rps_hash(
     start_proxy: StartProxy, redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
     proxy = await start_proxy(flush_interval=0.02)
-    key = rps_key(redis_prefix, "svc")
+    key = Keys(redis_prefix).rps("svc")
     proxy.stats.requests_total += 5
     await poll_until(lambda: _hash_total(redis_client, key), 5)
     proxy.stats.requests_total += 3
@@ -341,7 +335,7 @@ async def test_a_failed_flush_keeps_the_count(
     server.restart()  # empty: no persistence
     client = aioredis.Redis.from_url(server.url)
     try:
-        key = rps_key(redis_prefix, "svc")
+        key = Keys(redis_prefix).rps("svc")
         await poll_until(lambda: _hash_total(client, key), 7)
     finally:
         await client.aclose()
@@ -355,7 +349,7 @@ async def test_close_flushes_the_last_counts(
     assert names <= {t.get_name() for t in asyncio.all_tasks()}
     proxy.stats.requests_total += 4
     await proxy.source.aclose()
-    assert await _hash_total(redis_client, rps_key(redis_prefix, "svc")) == 4
+    assert await _hash_total(redis_client, Keys(redis_prefix).rps("svc")) == 4
     assert not proxy.source.connected
     assert not names & {t.get_name() for t in asyncio.all_tasks()}  # cancelled and awaited
 
@@ -421,7 +415,7 @@ async def test_inflight_counts_are_published_per_proxy(
     proxy = await start_proxy(flush_interval=0.02)
     await eventually(lambda: proxy.ready_set.replicas, what="the replica")
     proxy.ready_set.replicas[0].inflight = 7  # as if 7 requests were in flight
-    key = inflight_key(redis_prefix, "svc")
+    key = Keys(redis_prefix).inflight("svc")
 
     async def total() -> int:
         values = await redis_client.hvals(key)
@@ -440,7 +434,7 @@ async def test_a_held_request_publishes_one_demand_nudge(
     await register(store)  # no replica: the set is empty
     proxy = await start_proxy()
     pubsub = redis_client.pubsub()
-    await pubsub.subscribe(control_channel(redis_prefix))
+    await pubsub.subscribe(Keys(redis_prefix).control)
     try:
         await pubsub.get_message(timeout=1.0)  # the subscribe confirmation
         for _ in range(3):  # three requests held in a burst: one nudge

@@ -15,9 +15,9 @@ import pytest
 
 from proxy.pool import ReplicaPool
 from proxy.readyset import ReadySet, Replica
-from proxy.snapshot import ReadyReplica, ReadySnapshot
 from proxy.upstream import UpstreamConnection
 from proxy.waiters import WaiterQueue
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 
 
 class Waiter:

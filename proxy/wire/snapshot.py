@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from proxy.errors import SnapshotInvalid
+from proxy.wire.errors import SnapshotInvalid
 
 
 class ReadyReplica(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,12 @@
+"""The contract between the control plane and every proxy, defined once.
+
+Owns: the ReadySnapshot structs and codec (snapshot.py), the Redis key and channel
+names (keys.py), the load-balancing policy names (policies.py), the structs proxies
+write beside the request path and the control-channel nudges (telemetry.py), and the
+errors both sides share (errors.py). docs/redis.md documents the same contract for users.
+
+May import: the standard library and msgspec only. Everything else imports it: the
+proxy, and the control plane, which imports from `proxy` only this package, the Redis
+URL helpers (proxy/redisurl.py) and the proxy's command (proxy/cli.py, for
+`sluice proxy`); the proxy never imports the control plane.
+"""
