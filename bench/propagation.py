@@ -47,9 +47,10 @@ if str(REPO) not in sys.path:  # run as `python bench/propagation.py` without in
 import redis  # noqa: E402
 import uvloop  # noqa: E402
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus  # noqa: E402
+from controlplane.models import ReplicaRecord, ServiceRecord, ServiceStatus  # noqa: E402
 from controlplane.redissentinel import SentinelGroup  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
+from controlplane.states import ReplicaStatus  # noqa: E402
 from controlplane.store import Store, StoreError  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.readyset import ReadySet  # noqa: E402

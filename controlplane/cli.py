@@ -49,10 +49,11 @@ import msgspec
 from controlplane import ops
 from controlplane.controller import ControllerConfig, run_controller
 from controlplane.display import snapshot_text, status_text
-from controlplane.models import Handle, ReplicaRecord, UpdateMode, check_service_name
+from controlplane.models import Handle, ReplicaRecord, check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import redact_url
+from controlplane.states import UpdateMode
 from controlplane.store import ServiceNotFound, Store, StoreError, StoreUnavailable
 from proxy.cli import check_redis_url, proxy_command
 from proxy.wire.errors import SluiceError

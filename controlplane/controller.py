@@ -75,17 +75,9 @@ from controlplane.backends.base import (
 )
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
-from controlplane.models import (
-    FAILED_REPLICA_STATUSES,
-    Handle,
-    ReplicaRecord,
-    ReplicaStatus,
-    ServiceRecord,
-    ServiceStatus,
-)
-from controlplane.prober import PROBED, Prober, ProbeResult, Transition, apply_exit, apply_probe
+from controlplane.models import Handle, ReplicaRecord, ServiceRecord
+from controlplane.prober import Prober, ProbeResult, Transition, apply_exit, apply_probe
 from controlplane.rollout import (
-    LIVE,
     accelerator_of,
     given_up_by,
     gives_up_version,
@@ -95,6 +87,14 @@ from controlplane.rollout import (
 )
 from controlplane.scaling import Scaling
 from controlplane.spec import ReadinessProbe, ServiceSpec, is_count_only_change
+from controlplane.states import (
+    FAILED_REPLICA_STATUSES,
+    LIVE,
+    PROBED,
+    EventKind,
+    ReplicaStatus,
+    ServiceStatus,
+)
 from controlplane.store import (
     LeaseLost,
     Mutation,
@@ -214,7 +214,7 @@ class _Plan:
     now: float
     changed: set[int] = field(default_factory=set)  # ids updated or deleted
     launches: list[ReplicaRecord] = field(default_factory=list)  # ids assigned at commit
-    events: list[tuple[str, dict[str, str | int | float]]] = field(default_factory=list)
+    events: list[tuple[EventKind, dict[str, str | int | float]]] = field(default_factory=list)
     terminate: list[int] = field(default_factory=list)
     status: ServiceStatus | None = None
     ready_version: int = 0  # the record's, raised when the latest version is READY
@@ -233,7 +233,7 @@ class _Plan:
         if self.table.pop(replica_id, None) is not None:
             self.changed.add(replica_id)
 
-    def event(self, kind: str, **fields: str | int | float) -> None:
+    def event(self, kind: EventKind, **fields: str | int | float) -> None:
         self.events.append((kind, fields))
 
     def transition(self, t: Transition) -> None:
@@ -564,7 +564,7 @@ class Controller:
                     else:
                         status, reason = ReplicaStatus.FAILED_PROVISION, f"launch failed: {exc}"
                     failed = msgspec.structs.replace(replica, status=status, status_since=now)
-                    plan.transition(Transition(failed, "failure", reason))
+                    plan.transition(Transition(failed, EventKind.FAILURE, reason))
                 continue
             if replica is None:  # deleted meanwhile: nothing will ever route to it
                 plan.orphans.append((launch.backend, launch.task.result()))
@@ -582,9 +582,9 @@ class Controller:
                 cleanup = msgspec.structs.replace(
                     replica, status=ReplicaStatus.FAILED_CLEANUP, status_since=now
                 )
-                plan.transition(Transition(cleanup, "failure", f"terminate failed: {exc}"))
+                plan.transition(Transition(cleanup, EventKind.FAILURE, f"terminate failed: {exc}"))
                 continue
-            plan.event("terminate", replica=replica.id, version=replica.version)
+            plan.event(EventKind.TERMINATE, replica=replica.id, version=replica.version)
             if gives_up_version(replica, plan.record.version, plan.ready_version):
                 plan.put(msgspec.structs.replace(replica, handle={}))  # kept: says why
             else:
@@ -601,7 +601,7 @@ class Controller:
             else:
                 plan.delete(replica.id)
                 plan.event(
-                    "terminate",
+                    EventKind.TERMINATE,
                     replica=replica.id,
                     version=replica.version,
                     reason="launch interrupted",
@@ -645,7 +645,7 @@ class Controller:
                     preempted = msgspec.structs.replace(
                         replica, status=ReplicaStatus.PREEMPTED, status_since=plan.now
                     )
-                    plan.transition(Transition(preempted, "preempt", why))
+                    plan.transition(Transition(preempted, EventKind.PREEMPT, why))
                     continue
             reason = backend.exited(replica.handle)
             if reason is not None:
@@ -694,7 +694,7 @@ class Controller:
                 )
                 relabelled.append(str(replica.id))
         if relabelled:
-            plan.event("update", version=version, relabelled=",".join(relabelled))
+            plan.event(EventKind.UPDATE, version=version, relabelled=",".join(relabelled))
 
     # 5. scale and roll out
 
@@ -749,7 +749,7 @@ class Controller:
                 replica, status=ReplicaStatus.SHUTTING_DOWN, status_since=plan.now
             )
         )
-        plan.event("drain", replica=replica.id, version=replica.version, reason=reason)
+        plan.event(EventKind.DRAIN, replica=replica.id, version=replica.version, reason=reason)
 
     # 6. drain and clean up
 
@@ -773,7 +773,7 @@ class Controller:
                     plan.terminate.append(replica.id)
                 else:
                     plan.delete(replica.id)
-                    plan.event("terminate", replica=replica.id, version=replica.version)
+                    plan.event(EventKind.TERMINATE, replica=replica.id, version=replica.version)
             elif replica.status in FAILED_REPLICA_STATUSES or (
                 replica.status is ReplicaStatus.PREEMPTED
             ):
@@ -876,9 +876,8 @@ class Controller:
             termination.add_done_callback(lambda _t: self.wake())
             self._terminations[(name, replica_id)] = termination
         for replica in launched:
-            plan.event(
-                "launch", replica=replica.id, version=replica.version, backend=replica.backend
-            )
+            plan.event(EventKind.LAUNCH, replica=replica.id, version=replica.version,
+                       backend=replica.backend)
         for kind, fields in plan.events:
             await self._store.append_event(name, kind, fields)
 

@@ -12,7 +12,6 @@ Records allow unknown fields, so an older controller reads a newer one's data.
 
 from __future__ import annotations
 
-import enum
 import operator
 import re
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from typing import Annotated
 
 import msgspec
 
+from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from proxy.wire.errors import SluiceError
 from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
@@ -42,55 +42,6 @@ def check_service_name(name: str) -> str:
         f"invalid service name {shown!r}: use lowercase letters, digits and '-', starting "
         f"with a letter and not ending with '-', at most {SERVICE_NAME_MAX} characters"
     )
-
-
-class ReplicaStatus(enum.StrEnum):
-    """Replica states, as in Sky Serve."""
-
-    PENDING = "PENDING"
-    PROVISIONING = "PROVISIONING"
-    STARTING = "STARTING"
-    READY = "READY"
-    NOT_READY = "NOT_READY"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    FAILED = "FAILED"
-    FAILED_INITIAL_DELAY = "FAILED_INITIAL_DELAY"
-    FAILED_PROBING = "FAILED_PROBING"
-    FAILED_PROVISION = "FAILED_PROVISION"
-    FAILED_CLEANUP = "FAILED_CLEANUP"
-    PREEMPTED = "PREEMPTED"
-
-
-#: States from which a replica never comes back on its own (Sky Serve's failed set).
-FAILED_REPLICA_STATUSES = frozenset(
-    {
-        ReplicaStatus.FAILED,
-        ReplicaStatus.FAILED_INITIAL_DELAY,
-        ReplicaStatus.FAILED_PROBING,
-        ReplicaStatus.FAILED_PROVISION,
-        ReplicaStatus.FAILED_CLEANUP,
-    }
-)
-
-
-class ServiceStatus(enum.StrEnum):
-    """Service states, as in Sky Serve."""
-
-    CONTROLLER_INIT = "CONTROLLER_INIT"
-    REPLICA_INIT = "REPLICA_INIT"
-    CONTROLLER_FAILED = "CONTROLLER_FAILED"
-    READY = "READY"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    FAILED = "FAILED"
-    FAILED_CLEANUP = "FAILED_CLEANUP"
-    NO_REPLICA = "NO_REPLICA"
-
-
-class UpdateMode(enum.StrEnum):
-    """How a new version takes over: alongside the old one, or all at once when ready."""
-
-    ROLLING = "rolling"
-    BLUE_GREEN = "blue_green"
 
 
 #: http(s)://host[:port][/path]: a URL the proxy can route to. Checked when a record is

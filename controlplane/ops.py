@@ -30,23 +30,19 @@ import msgspec
 from controlplane.autoscaler import Autoscaler
 from controlplane.backends.local import check_fixed_port
 from controlplane.backends.skypilot import infra_text, resources_text
-from controlplane.models import (
-    FAILED_REPLICA_STATUSES,
-    AutoscalerStatus,
-    ReplicaRecord,
-    ReplicaStatus,
-    ServiceRecord,
-    ServiceStatus,
-    UpdateMode,
-    check_service_name,
-)
+from controlplane.models import AutoscalerStatus, ReplicaRecord, ServiceRecord, check_service_name
 from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
+from controlplane.states import (
+    FAILED_REPLICA_STATUSES,
+    GONE,
+    EventKind,
+    ReplicaStatus,
+    ServiceStatus,
+    UpdateMode,
+)
 from controlplane.store import Mutation, ServiceNotFound, Store
 from proxy.wire.errors import SluiceError
-
-#: Event kinds the controller and the ops commands append to a service's stream.
-EVENT_FAILURE = "failure"
 
 
 class OpsError(SluiceError):
@@ -170,7 +166,7 @@ async def up(
         min_replicas={1: spec.min_replicas},
     )
     await store.register_service(record, spec.to_json())
-    await store.append_event(name, "up", {"version": 1})
+    await store.append_event(name, EventKind.UP, {"version": 1})
     await store.nudge(name)
     stored = await store.service(name)
     if stored is None:  # taken down between the two calls
@@ -211,7 +207,7 @@ async def update(
     fields: dict[str, str | int | float] = {"version": new_version}
     if mode is not None:
         fields["mode"] = mode.value
-    await store.append_event(name, "update", fields)
+    await store.append_event(name, EventKind.UPDATE, fields)
     await store.nudge(name)
     return new_version
 
@@ -260,7 +256,7 @@ async def down(store: Store, name: str, *, purge: bool = False) -> list[ReplicaR
         return Mutation(service_record=down), None
 
     await store.commit_with(name, plan)
-    await store.append_event(name, "down")
+    await store.append_event(name, EventKind.DOWN)
     await store.nudge(name)
     return []
 
@@ -301,7 +297,7 @@ async def terminate_replica(
         return Mutation(replica_updates=(leaving,)), action
 
     action = (await store.commit_with(name, plan)).result
-    await store.append_event(name, "drain", {"replica": replica_id, "reason": action})
+    await store.append_event(name, EventKind.DRAIN, {"replica": replica_id, "reason": action})
     await store.nudge(name)
     return action
 
@@ -333,7 +329,7 @@ async def add_replica(
         if current.status is ServiceStatus.SHUTTING_DOWN:
             raise ServiceShuttingDown(f"service {name!r} is shutting down")
         for replica in replicas.values():
-            if replica.url == url and replica.status not in _GONE:
+            if replica.url == url and replica.status not in GONE:
                 raise ReplicaExists(f"service {name!r} already has replica {replica.id} at {url}")
         replica_id = max(current.next_replica_id, max(replicas, default=0) + 1)
         # No timestamps: the controller stamps launched_at and status_since with its own
@@ -353,7 +349,7 @@ async def add_replica(
 
     replica_id = (await store.commit_with(name, plan)).result
     added: dict[str, str | int | float] = {"replica": replica_id, "url": url}
-    await store.append_event(name, "launch", {**added, "backend": "external"})
+    await store.append_event(name, EventKind.LAUNCH, {**added, "backend": "external"})
     await store.nudge(name)
     return replica_id
 
@@ -380,7 +376,7 @@ async def remove_replica(store: Store, name: str, url: str) -> None:
 
     removed = (await store.commit_with(name, plan)).result
     drained: dict[str, str | int | float] = {"replica": removed, "url": url}
-    await store.append_event(name, "drain", {**drained, "reason": "removed"})
+    await store.append_event(name, EventKind.DRAIN, {**drained, "reason": "removed"})
     await store.nudge(name)
 
 
@@ -396,7 +392,7 @@ async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
 
     def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
         replica = replicas.get(replica_id)
-        if replica is None or replica.status in _GONE:
+        if replica is None or replica.status in GONE:
             raise ReplicaNotFound(f"service {name!r} has no live replica {replica_id}")
         # No timestamp: the controller stamps status_since with its own clock.
         preempted = msgspec.structs.replace(
@@ -405,7 +401,7 @@ async def preempt_replica(store: Store, name: str, replica_id: int) -> None:
         return Mutation(replica_updates=(preempted,)), None
 
     await store.commit_with(name, plan)
-    await store.append_event(name, "preempt", {"replica": replica_id})
+    await store.append_event(name, EventKind.PREEMPT, {"replica": replica_id})
     await store.nudge(name)
 
 
@@ -458,7 +454,6 @@ async def wait_for(
 
 # -- internals -------------------------------------------------------------------------------
 
-_GONE = FAILED_REPLICA_STATUSES | {ReplicaStatus.SHUTTING_DOWN, ReplicaStatus.PREEMPTED}
 
 
 async def _record(store: Store, name: str) -> ServiceRecord:
@@ -501,7 +496,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     replicas = list(state.replicas.values())
     last_failure = None
     for event in reversed(await store.events(name, count=200)):
-        if event.kind == EVENT_FAILURE:
+        if event.kind == EventKind.FAILURE:
             last_failure = event.fields.get("reason", "failed")
             break
     blocked = given_up_by(replicas, record.version, ready_version(record, replicas))
@@ -534,7 +529,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         created_at=record.created_at,
         uptime=max(0.0, time.time() - record.created_at),
         ready=sum(1 for r in replicas if r.status is ReplicaStatus.READY),
-        total=sum(1 for r in replicas if r.status not in _GONE),
+        total=sum(1 for r in replicas if r.status not in GONE),
         generation=state.generation,
         replicas=[
             ReplicaView(

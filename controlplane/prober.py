@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from controlplane.models import ReplicaRecord, ReplicaStatus
+from controlplane.models import ReplicaRecord
 from controlplane.spec import ReadinessProbe
+from controlplane.states import PROBED, EventKind, ReplicaStatus
 
 log = logging.getLogger("sluice.prober")
 
@@ -46,8 +47,6 @@ log = logging.getLogger("sluice.prober")
 #: readiness path needs one or two).
 MAX_REDIRECTS = 10
 
-#: Statuses whose replicas are probed.
-PROBED = frozenset({ReplicaStatus.STARTING, ReplicaStatus.READY, ReplicaStatus.NOT_READY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +64,7 @@ class Transition:
     """What applying a probe result or an exit did: the new record, and an event to log."""
 
     record: ReplicaRecord
-    event: str | None = None  # ready | not_ready | failure
+    event: EventKind | None = None  # READY, NOT_READY or FAILURE
     reason: str | None = None
 
 
@@ -238,7 +237,7 @@ def apply_probe(
             first_ready_at=replica.first_ready_at or now,
             failures=0,
         )
-        return Transition(ready, "ready")
+        return Transition(ready, EventKind.READY)
     if replica.first_ready_at is None:
         # Sky Serve (replica_managers.py, `_probe_all_replicas`) times the initial delay
         # from the first failed probe, not from the launch.
@@ -255,12 +254,12 @@ def apply_probe(
                 status_since=now,
                 failures=replica.failures + 1,
             )
-            return Transition(failed, "failure", reason)
+            return Transition(failed, EventKind.FAILURE, reason)
         return Transition(replica)
     if replica.status is ReplicaStatus.READY:
         return Transition(
             replace(replica, status=ReplicaStatus.NOT_READY, status_since=now, failures=1),
-            "not_ready",
+            EventKind.NOT_READY,
             f"probe failed: {result.detail}",
         )
     # NOT_READY (or STARTING after a restart of a once-ready replica): count the failure.
@@ -276,7 +275,7 @@ def apply_probe(
             status_since=now,
             failures=replica.failures + 1,
         )
-        return Transition(failed, "failure", reason)
+        return Transition(failed, EventKind.FAILURE, reason)
     return Transition(replace(replica, failures=replica.failures + 1))
 
 
@@ -284,4 +283,4 @@ def apply_exit(replica: ReplicaRecord, reason: str, now: float) -> Transition:
     """The replica after its process ended: FAILED (the reason says how)."""
     when = "before it was ever ready" if replica.first_ready_at is None else "after being ready"
     failed = msgspec.structs.replace(replica, status=ReplicaStatus.FAILED, status_since=now)
-    return Transition(failed, "failure", f"process {reason} {when}")
+    return Transition(failed, EventKind.FAILURE, f"process {reason} {when}")

@@ -28,38 +28,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from controlplane.models import (
-    ReplicaRecord,
+from controlplane.models import ReplicaRecord, ServiceRecord, compute_active_versions
+from controlplane.spec import ServiceSpec
+from controlplane.states import (
+    LIVE,
+    STARTING_UP,
+    UNRECOVERABLE,
     ReplicaStatus,
-    ServiceRecord,
     ServiceStatus,
     UpdateMode,
-    compute_active_versions,
 )
-from controlplane.spec import ServiceSpec
 
-#: Replicas that count towards the target: launched or launching, not leaving.
-LIVE = frozenset(
-    {
-        ReplicaStatus.PENDING,
-        ReplicaStatus.PROVISIONING,
-        ReplicaStatus.STARTING,
-        ReplicaStatus.READY,
-        ReplicaStatus.NOT_READY,
-    }
-)
-#: Failures that give up a version that never served, when they hit a replica that was
-#: never READY: the user's code failed (Sky's `user_app_failed`) or the initial delay ran
-#: out (`first_ready_time == -1`). Not FAILED_PROVISION: Sky retries failed launches.
-UNRECOVERABLE = frozenset({ReplicaStatus.FAILED, ReplicaStatus.FAILED_INITIAL_DELAY})
-_STARTING_UP = frozenset(
-    {
-        ReplicaStatus.PENDING,
-        ReplicaStatus.PROVISIONING,
-        ReplicaStatus.STARTING,
-        ReplicaStatus.NOT_READY,
-    }
-)
 _SCALE_DOWN_RANK = {
     ReplicaStatus.PENDING: 0,
     ReplicaStatus.PROVISIONING: 1,
@@ -184,7 +163,7 @@ def service_status(
     table = list(replicas)
     if compute_active_versions(record, table):
         return ServiceStatus.READY
-    if launching or any(r.status in _STARTING_UP for r in table):
+    if launching or any(r.status in STARTING_UP for r in table):
         return ServiceStatus.REPLICA_INIT
     if given_up_by(table, record.version, ready_version(record, table)) is not None:
         return ServiceStatus.FAILED

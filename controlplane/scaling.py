@@ -30,8 +30,9 @@ from controlplane.autoscaler import (
     Decision,
 )
 from controlplane.models import AutoscalerStatus, ReplicaRecord, ServiceRecord
-from controlplane.rollout import LIVE, target_replicas
+from controlplane.rollout import target_replicas
 from controlplane.spec import ReplicaPolicy, ServiceSpec
+from controlplane.states import LIVE
 from controlplane.store import Store
 
 log = logging.getLogger("sluice.scaling")

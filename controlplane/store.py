@@ -56,9 +56,9 @@ from controlplane.models import (
     ReplicaRecord,
     ServiceRecord,
     ServiceState,
-    ServiceStatus,
     compute_snapshot,
 )
+from controlplane.states import ServiceStatus
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.errors import SluiceError, SnapshotInvalid
 from proxy.wire.keys import DEFAULT_PREFIX, Keys

@@ -32,9 +32,9 @@ from typing import Any
 import aiohttp
 
 from controlplane import ops
-from controlplane.models import UpdateMode
 from controlplane.processes import free_port
 from controlplane.redissentinel import SentinelGroup
+from controlplane.states import UpdateMode
 from controlplane.store import Store, StoreError
 from loadtests.rollout import SERVE_PAUSE, SERVICE, Expected, Options, Processes, Stack
 

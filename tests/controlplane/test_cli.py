@@ -24,7 +24,8 @@ from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
 from controlplane.display import duration
-from controlplane.models import ReplicaRecord, ReplicaStatus
+from controlplane.models import ReplicaRecord
+from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.wire.snapshot import ReadySnapshot
 from tests.fixtures_replicas import HOST, REPO, free_port, http_get

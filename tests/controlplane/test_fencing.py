@@ -18,8 +18,9 @@ import redis
 
 from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord
+from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
+from controlplane.states import ReplicaStatus
 from controlplane.store import LeaseLost, Mutation, Store
 from tests.controlplane.test_controller import REPO, alive, make_spec, pid_of, ready_view
 from tests.faultproxy import FaultProxy

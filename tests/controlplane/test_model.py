@@ -34,19 +34,11 @@ from controlplane import ops
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import (
-    FAILED_REPLICA_STATUSES,
-    Handle,
-    ReplicaRecord,
-    ReplicaStatus,
-    ServiceRecord,
-    ServiceStatus,
-    UpdateMode,
-    compute_active_versions,
-)
+from controlplane.models import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.prober import ProbeResult
 from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
+from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import Committed, MutationPlan, R, Store
 from proxy.wire.snapshot import ReadySnapshot
 

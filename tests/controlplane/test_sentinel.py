@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from controlplane.cli import cli
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.redissentinel import SentinelGroup
+from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.cli import proxy_command
 from tests.fixtures_replicas import REPO

@@ -32,8 +32,9 @@ from controlplane.backends.skypilot import (
 )
 from controlplane.backends.skypilot_sdk import SdkError
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import ReplicaRecord, ReplicaStatus
+from controlplane.models import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store
 from tests.fixtures_redis import eventually
 from tests.skypilot_fake import FakeSkyPilot

@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
-from controlplane.models import ReplicaRecord, ReplicaStatus
+from controlplane.models import ReplicaRecord
+from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,15 +12,13 @@ import redis.asyncio as aioredis
 
 from controlplane.models import (
     ReplicaRecord,
-    ReplicaStatus,
     ServiceRecord,
     ServiceState,
-    ServiceStatus,
-    UpdateMode,
     compute_active_versions,
     compute_snapshot,
     same_ready_set,
 )
+from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import (
     CommitConflict,
     Mutation,

@@ -19,7 +19,8 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.readyset import ReadySet
 from proxy.wire.errors import SnapshotInvalid

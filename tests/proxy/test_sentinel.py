@@ -13,8 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.redissentinel import SentinelGroup
+from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet

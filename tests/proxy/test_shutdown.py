@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
+from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
+from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
