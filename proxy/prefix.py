@@ -47,14 +47,10 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
 from zlib import crc32
 
+from proxy.interfaces import Policy, ReplicaView, Routable
 from proxy.snapshot import PrefixOptions
-
-if TYPE_CHECKING:
-    from proxy.policies import Policy
-    from proxy.readyset import Replica
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
 
@@ -66,14 +62,6 @@ _MESSAGES = b'"messages"'
 _PROMPT = b'"prompt"'
 _USER = b'"user"'
 _NO_KEY: tuple[int, ...] = ()
-
-
-class Routable(Protocol):
-    """What the policy reads of a request (the server's Exchange)."""
-
-    req_headers: list[tuple[bytes, bytes]]
-    body: list[bytes]
-    route_key: tuple[int, ...] | None  # None until computed; () when the request has none
 
 
 def prefix_chain(body: bytes, block: int, limit: int) -> tuple[int, ...]:
@@ -182,17 +170,17 @@ class PrefixPolicy:
         self._load_factor = 1.0 + opts.epsilon
         self._lru_size = opts.lru_size
         self._fallback = fallback
-        self._replicas: tuple[Replica, ...] = ()
+        self._replicas: tuple[ReplicaView, ...] = ()
         self._seeds: list[hashlib.blake2b] = []
-        self._orders: list[tuple[Replica, ...] | None] = []
-        self._lru: OrderedDict[int, Replica] = OrderedDict()
+        self._orders: list[tuple[ReplicaView, ...] | None] = []
+        self._lru: OrderedDict[int, ReplicaView] = OrderedDict()
         # Known prefix (its deepest known block) -> where it last spilled.
-        self._spilled: OrderedDict[int, Replica] = OrderedDict()
+        self._spilled: OrderedDict[int, ReplicaView] = OrderedDict()
         # replica URL -> [affinity, spill, fallback]; kept across snapshots.
         self.routed: dict[str, list[int]] = {}
-        self._counts: dict[Replica, list[int]] = {}
+        self._counts: dict[ReplicaView, list[int]] = {}
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
         self._fallback.update(replicas)
         self._seeds = [replica_seed(r.url) for r in self._replicas]
@@ -202,7 +190,7 @@ class PrefixPolicy:
             counts[r] = self.routed.setdefault(r.url, [0, 0, 0])
         self._counts = counts
 
-    def order_for(self, slot: int) -> tuple[Replica, ...]:
+    def order_for(self, slot: int) -> tuple[ReplicaView, ...]:
         order = self._orders[slot]
         if order is None:
             reps = self._replicas
@@ -219,8 +207,8 @@ class PrefixPolicy:
             request.route_key = key
         return key
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
         replicas = self._replicas
         n = len(replicas)
         if n == 0:
@@ -235,7 +223,7 @@ class PrefixPolicy:
         depth = len(key)
         factor = self._load_factor if depth == 1 else 1.0
         lru = self._lru
-        hit: Replica | None = None
+        hit: ReplicaView | None = None
         full: int | None = None  # the known block whose replica was over the bound
         if depth > 1 and self._lru_size:
             for d in range(depth - 1, 0, -1):
@@ -263,7 +251,7 @@ class PrefixPolicy:
                 chosen = alt
                 reason = SPILL
         if chosen is None:
-            agreed: Replica | None = None  # the first choice not excluded
+            agreed: ReplicaView | None = None  # the first choice not excluded
             for r in self.order_for(key[0] & (SLOTS - 1)):
                 if exclude is not None and r in exclude:
                     continue
@@ -322,7 +310,7 @@ class PrefixPolicy:
             return total // n + 1
         return math.ceil(factor * (total + 1) / n)
 
-    def _fall_back(self, exclude: set[Replica] | None) -> Replica | None:
+    def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:
         chosen = self._fallback.choose(exclude)
         if chosen is not None:
             counts = self._counts.get(chosen)
