@@ -472,7 +472,7 @@ class Exchange:
             self.ctx.stats.count_response(self.status)
             self.finish(True)
             return
-        self.last_error = "UpstreamResetError"
+        self.last_error = "UpstreamResetError"  # the name clients see in the 502 detail
         free = conn.served > 0 and not self.stale_retry_used
         self.release_replica(tried=not free)
         self.retry_or_fail(free=free)
