@@ -25,6 +25,10 @@ body is still held in full (bodies up to `retry_body_limit` are kept), up to
 `max_attempts`, each on a replica not yet tried when one exists. A pooled
 connection that turns out stale (closed before any response byte) gets one
 extra attempt that does not count against `max_attempts`.
+
+This module is over the ~400-line target on purpose: the Exchange is one state
+machine whose transitions read best side by side, and splitting its methods over
+modules (mixins) would scatter one object's state without making any part simpler.
 """
 
 from __future__ import annotations
@@ -127,44 +131,49 @@ class Exchange:
     def __init__(self, ctx: ExchangeContext, client: ClientView, method: bytes,
                  head_line: bytes, head_tail: bytes, *, keep_alive: bool, chunked: bool,
                  started: float, has_body: bool = False) -> None:
+        # -- where it runs
         self.ctx = ctx
         self.client = client
+        self.state = NEW
+        # -- the request as the replica will get it
         self.head_line = head_line
         self.head_tail = head_tail
-        self.chunked = chunked
+        self.chunked = chunked  # the request body is chunked (re-chunked as received)
         self.is_head = method == b"HEAD"
+        self.has_body = has_body
+        self.req_headers: list[tuple[bytes, bytes]] = []  # read by routing policies
+        self.route_key: tuple[int, ...] | None = None  # computed by the prefix policy
+        self.awaiting_body = False  # holding the body's first bytes before choosing
+        # -- the request body
+        self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
+        self.body_len = 0
+        self.body_done = False
+        self.body_whole = True  # every body byte received so far is still held
+        self.up_out: list[bytes] = []  # request body bytes not yet written upstream
+        self.upload_at = 0.0  # > 0 while the body streams to a replica: when that began
+        # -- time: absolute deadlines, checked by tick()
         self.started = started
         self.deadline_at = started + ctx.config.retry_deadline
-        self.empty_until = 0.0
-        self.heartbeat_at = 0.0
-        self.sse_held = False  # our own 200 event-stream head went out while held
-        self.discard_body = False
-        self.state = NEW
+        self.empty_until = 0.0  # while held for a replica: answer 503 then
+        self.heartbeat_at = 0.0  # while held: next SSE heartbeat (--hold-heartbeat)
+        self.progress = 0  # body chunks seen (either direction); tick() compares
+        self.seen_progress = 0
+        self.progress_at = 0.0
+        # -- the attempt: replica, pool, connection, retries
         self.replica: ReplicaView | None = None
         self.pool: ConnectionPool | None = None
         self.upstream: UpstreamLink | None = None
         self.attempts = 0
         self.tried: set[ReplicaView] | None = None
         self.stale_retry_used = False
-        self.body: list[bytes] = []
-        self.body_len = 0
-        self.body_done = False
-        self.body_whole = True  # every body byte received so far is still held
-        self.out: list[bytes] = []
-        self.up_out: list[bytes] = []  # request body bytes not yet written upstream
-        self.upload_at = 0.0  # > 0 while the body streams to a replica: when that began
-        self.resp_chunked = False
-        self.close_after = not keep_alive
-        self.status = 0
-        self.progress = 0
-        self.seen_progress = 0
-        self.progress_at = 0.0
         self.last_error = "none"
-        # Read by policies that route on the request (proxy/prefix.py).
-        self.has_body = has_body
-        self.awaiting_body = False  # holding the body's first bytes before choosing
-        self.req_headers: list[tuple[bytes, bytes]] = []
-        self.route_key: tuple[int, ...] | None = None
+        # -- the response relayed to the client
+        self.status = 0
+        self.out: list[bytes] = []  # response bytes not yet written to the client
+        self.resp_chunked = False  # we chunk the body for the client
+        self.close_after = not keep_alive  # close the client connection after this response
+        self.sse_held = False  # our own 200 event-stream head went out while held
+        self.discard_body = False  # the held stream ended with an error event: drop the body
 
     # -- choosing a replica and a connection ------------------------------------
 
