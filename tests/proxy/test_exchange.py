@@ -281,11 +281,12 @@ def test_connect_failure_retries_on_another_replica_within_the_deadline() -> Non
     ex.start()
     first, second = ctx.pools[URLS[0]], ctx.pools[URLS[1]]
     assert len(first.waiting) == 1 and second.acquired == 0
+    _replica(ctx, URLS[1]).inflight += 1  # another request: least_load alone would pick 0
     ctx.advance(1.0)
     first.fail()
     # Retried at once on the replica not tried yet; the first is no longer held.
     assert ctx.stats.retries == 1 and ctx.stats.attempts == 2
-    assert _replica(ctx, URLS[0]).inflight == 0 and _replica(ctx, URLS[1]).inflight == 1
+    assert _replica(ctx, URLS[0]).inflight == 0 and _replica(ctx, URLS[1]).inflight == 2
     assert ex.state == WAIT_CONN and len(second.waiting) == 1
     conn = second.connect()
     conn.respond_head(200, [(b"Content-Length", b"0")])
@@ -435,3 +436,22 @@ def test_body_buffer_pauses_the_client_until_a_connection_takes_it() -> None:
     assert client.pause_mask & PAUSE_BODY_BUFFER
     ctx.pools[URLS[0]].connect()
     assert not client.pause_mask & PAUSE_BODY_BUFFER
+
+
+def test_stale_pooled_connection_gets_one_free_attempt() -> None:
+    ctx = _ctx(URLS[0], max_attempts=1)
+    stale = _idle(ctx, URLS[0])
+    stale.served = 1  # a kept-alive connection the replica closed meanwhile
+    client = FakeClient()
+    ex = _exchange(ctx, client)
+    ex.start()
+    stale.exchange = None  # as UpstreamConnection.connection_lost reports it
+    ex.on_upstream_lost(stale, False)
+    # Retried although max_attempts is 1: nothing was sent to the client.
+    pool = ctx.pools[URLS[0]]
+    assert client.written == [] and pool.acquired == 2 and ex.state == WAIT_CONN
+    fresh = pool.connect()
+    fresh.exchange = None
+    ex.on_upstream_lost(fresh, False)  # a fresh connection lost: no second free attempt
+    assert client.output() == http.bad_gateway("UpstreamResetError")
+    assert _replica(ctx, URLS[0]).inflight == 0
