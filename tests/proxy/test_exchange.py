@@ -8,7 +8,8 @@ the replica's response events, the client going away, the sweeper's ticks. The r
 set, the policy, the config and the stats are the real ones; time is a FakeClock.
 
 The whole path with real sockets is covered by test_framing.py, test_resilience.py and
-test_differential.py; these tests pin the transitions one at a time.
+test_differential.py; these tests pin the transitions one at a time. The doubles are
+checked against the Protocols: `mypy --strict tests/proxy/test_exchange.py` is clean.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from proxy import http
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamConnectError
 from proxy.exchange import DONE, SENT, STREAMING, WAIT_CONN, WAIT_REPLICA, Exchange
-from proxy.interfaces import PAUSE_BODY_BUFFER, ConnectionWaiter, ResponseSink, UpstreamLink
+from proxy.interfaces import (
+    PAUSE_BODY_BUFFER,
+    ConnectionWaiter,
+    ResponseSink,
+    Upload,
+    UpstreamLink,
+)
 from proxy.readyset import ReadySet, Replica
 from proxy.snapshot import ReadyReplica, ReadySnapshot
 from proxy.stats import Stats
@@ -161,7 +168,7 @@ class FakeClient:
     def __init__(self, http11: bool = True) -> None:
         self.http11 = http11
         self.write_paused = False
-        self.upload: object | None = None
+        self.upload: Upload | None = None
         self.written: list[bytes] = []
         self.pause_mask = 0
         self.done: list[tuple[object, bool]] = []
@@ -182,7 +189,7 @@ class FakeClient:
         """What ClientConnection.data_received does once a read is parsed."""
         upload, self.upload = self.upload, None
         if upload is not None:
-            upload.flush_upstream()  # type: ignore[attr-defined]
+            upload.flush_upstream()
 
     def output(self) -> bytes:
         return b"".join(self.written)
