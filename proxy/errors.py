@@ -4,8 +4,10 @@
     ├── ConfigError          bad command line or config (startup refuses)
     ├── SnapshotInvalid      a ReadySnapshot payload failed validation (proxy/wire/errors.py)
     └── UpstreamError        one attempt against a replica failed
-        ├── UpstreamConnectError   could not connect (refused, timeout, TLS)
-        └── UpstreamResetError     connection lost before response headers
+        └── UpstreamConnectError   could not connect (refused, timeout, TLS)
+
+(A connection lost before response headers is not raised: the Exchange sees it as a
+callback and names it "UpstreamResetError" in its 502 detail.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,3 @@ class UpstreamError(SluiceError):
 class UpstreamConnectError(UpstreamError):
     pass
 
-
-class UpstreamResetError(UpstreamError):
-    pass

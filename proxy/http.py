@@ -81,14 +81,12 @@ def error_response(code: int, error: str, detail: str, *, close: bool,
     return b"".join(head) + body
 
 
-# Proxy-generated responses, built once. `_KA` variants keep the connection open.
+# Proxy-generated responses, built once; those with `close=True` end the connection.
 NO_REPLICA = error_response(503, "no_ready_replica",
                             "no replica became ready within the wait", close=False,
                             retry_after=1)
 DEADLINE = error_response(504, "deadline_exceeded",
                           "no response headers within the retry deadline", close=False)
-SHUTTING_DOWN = error_response(503, "shutting_down", "the proxy is shutting down", close=True,
-                               retry_after=1)
 BAD_REQUEST = error_response(400, "bad_request", "malformed or ambiguous request", close=True)
 TOO_LARGE = error_response(413, "payload_too_large", "request body exceeds --max-body",
                            close=True)

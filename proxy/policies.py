@@ -10,27 +10,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
 
 from proxy.errors import ConfigError
+from proxy.interfaces import Policy, ReplicaView, Routable
 from proxy.prefix import PrefixPolicy
 from proxy.wire.policies import POLICY_NAMES
 from proxy.wire.snapshot import PrefixOptions
 
-if TYPE_CHECKING:
-    from proxy.prefix import Routable
-    from proxy.readyset import Replica
-
-
-class Policy(Protocol):
-    name: str
-    # Request body bytes to hold before choosing (0: choose at the request head).
-    body_prefix: int
-
-    def update(self, replicas: Sequence[Replica]) -> None: ...
-
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None: ...
+# Policy is re-exported: the protocol every policy here implements (proxy/interfaces.py).
+__all__ = ["POLICIES", "InstanceAwareLeastLoad", "LeastLoad", "Policy", "PowerOfTwoChoices",
+           "RoundRobin", "make_policy"]
 
 
 class LeastLoad:
@@ -40,22 +29,22 @@ class LeastLoad:
     body_prefix = 0
 
     def __init__(self) -> None:
-        self._replicas: Sequence[Replica] = ()
+        self._replicas: Sequence[ReplicaView] = ()
         self._next = 0
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
         self._next = 0  # the rotation index must stay inside the new list
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
         replicas = self._replicas
         n = len(replicas)
         if n == 0:
             return None
         start = self._next
         self._next = start + 1 if start + 1 < n else 0
-        best: Replica | None = None
+        best: ReplicaView | None = None
         best_load = 1 << 62
         for i in range(n):
             j = start + i
@@ -78,17 +67,17 @@ class RoundRobin:
     body_prefix = 0
 
     def __init__(self) -> None:
-        self._order: list[Replica] = []
+        self._order: list[ReplicaView] = []
         self._next = 0
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         order = list(replicas)
         random.shuffle(order)
         self._order = order
         self._next = 0
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
         order = self._order
         n = len(order)
         for _ in range(n):
@@ -115,11 +104,11 @@ class InstanceAwareLeastLoad:
 
     def __init__(self, target_qps: dict[str, float] | None = None) -> None:
         self._target_qps = dict(target_qps or {})
-        self._replicas: tuple[Replica, ...] = ()
+        self._replicas: tuple[ReplicaView, ...] = ()
         self._weights: tuple[float, ...] = ()
         self._next = 0
 
-    def weight_of(self, replica: Replica) -> float:
+    def weight_of(self, replica: ReplicaView) -> float:
         if replica.target_qps is not None and replica.target_qps > 0:
             return replica.target_qps
         acc = replica.accelerator
@@ -134,13 +123,13 @@ class InstanceAwareLeastLoad:
                 return qps
         return 1.0
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
         self._weights = tuple(self.weight_of(r) for r in self._replicas)
         self._next = 0  # the rotation index must stay inside the new list
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
         replicas = self._replicas
         weights = self._weights
         n = len(replicas)
@@ -148,7 +137,7 @@ class InstanceAwareLeastLoad:
             return None
         start = self._next
         self._next = start + 1 if start + 1 < n else 0
-        best: Replica | None = None
+        best: ReplicaView | None = None
         best_load = float("inf")
         for i in range(n):
             j = start + i
@@ -171,14 +160,14 @@ class PowerOfTwoChoices:
     body_prefix = 0
 
     def __init__(self) -> None:
-        self._replicas: tuple[Replica, ...] = ()
+        self._replicas: tuple[ReplicaView, ...] = ()
         self._rand = random.Random()
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
         replicas = self._replicas
         if exclude:
             replicas = tuple(r for r in replicas if r not in exclude)

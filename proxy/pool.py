@@ -15,15 +15,18 @@ import ssl
 from typing import TYPE_CHECKING
 
 from proxy.errors import UpstreamConnectError
+from proxy.interfaces import ConnectionWaiter, UpstreamLink
 from proxy.upstream import UpstreamConnection
 from proxy.waiters import WaiterQueue
 
 if TYPE_CHECKING:
-    from proxy.readyset import Replica
-    from proxy.server import Exchange
+    from proxy.replica import Replica
 
 
 class ReplicaPool:
+    """The connections to one replica (an interfaces.ConnectionPool); waiters are the
+    Exchanges (interfaces.ConnectionWaiter) that asked for one beyond the limit."""
+
     def __init__(
         self,
         replica: Replica,
@@ -36,9 +39,9 @@ class ReplicaPool:
         self.limit = limit
         self.connect_timeout = connect_timeout
         self.ssl_context = ssl_context
-        self.idle: list[UpstreamConnection] = []
+        self.idle: list[UpstreamLink] = []
         self.total = 0  # open plus opening connections
-        self.waiters: WaiterQueue[Exchange] = WaiterQueue()  # FIFO, O(1) cancel
+        self.waiters: WaiterQueue[ConnectionWaiter] = WaiterQueue()  # FIFO, O(1) cancel
         self.closed = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -46,7 +49,7 @@ class ReplicaPool:
     def size(self) -> int:
         return self.total
 
-    def acquire(self, ex: Exchange) -> UpstreamConnection | None:
+    def acquire(self, ex: ConnectionWaiter) -> UpstreamLink | None:
         """An idle connection now, or None: then `ex.on_connection` / `ex.on_connect_failed`
         is called later."""
         idle = self.idle
@@ -60,11 +63,11 @@ class ReplicaPool:
             self.waiters.append(ex)
         return None
 
-    def cancel(self, ex: Exchange) -> None:
+    def cancel(self, ex: ConnectionWaiter) -> None:
         """`ex` no longer wants a connection (it timed out, the client left, it retried)."""
         self.waiters.discard(ex)
 
-    def release(self, conn: UpstreamConnection, reusable: bool) -> None:
+    def release(self, conn: UpstreamLink, reusable: bool) -> None:
         """Take `conn` back, or hand it straight to a waiting exchange. Never called from
         inside a parser callback (upstream.py): a waiter given the connection there would be
         fed whatever llhttp parses next from the same buffer."""
@@ -80,7 +83,7 @@ class ReplicaPool:
                 return
         self.idle.append(conn)
 
-    def discard(self, conn: UpstreamConnection) -> None:
+    def discard(self, conn: UpstreamLink) -> None:
         """A connection closed; free its slot and start one for the next waiter."""
         self.total -= 1
         try:
@@ -94,13 +97,13 @@ class ReplicaPool:
                 self._open(ex)
                 return
 
-    def _open(self, ex: Exchange) -> None:
+    def _open(self, ex: ConnectionWaiter) -> None:
         self.total += 1
         task = asyncio.get_running_loop().create_task(self._connect(ex))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connect(self, ex: Exchange) -> None:
+    async def _connect(self, ex: ConnectionWaiter) -> None:
         replica = self.replica
         loop = asyncio.get_running_loop()
         try:

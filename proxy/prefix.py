@@ -3,7 +3,7 @@
 A model server keeps the KV cache of recent prompts; a request whose prompt
 starts like an earlier one on the same replica skips most of its prefill. This
 policy sends requests that share a prompt prefix to the same replica, with no
-learned state shared between proxies (DESIGN.md, "Routing LLM traffic"):
+learned state shared between proxies (docs/routing.md has the user-facing story):
 
 - **Key** (`request_key`), from the raw body bytes, no JSON parse: the bytes
   from `"messages"` (chat) or `"prompt"` (completions) on, cut into blocks of
@@ -47,14 +47,10 @@ import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
 from zlib import crc32
 
+from proxy.interfaces import Policy, ReplicaView, Routable
 from proxy.wire.snapshot import PrefixOptions
-
-if TYPE_CHECKING:
-    from proxy.policies import Policy
-    from proxy.readyset import Replica
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
 
@@ -66,14 +62,6 @@ _MESSAGES = b'"messages"'
 _PROMPT = b'"prompt"'
 _USER = b'"user"'
 _NO_KEY: tuple[int, ...] = ()
-
-
-class Routable(Protocol):
-    """What the policy reads of a request (the server's Exchange)."""
-
-    req_headers: list[tuple[bytes, bytes]]
-    body: list[bytes]
-    route_key: tuple[int, ...] | None  # None until computed; () when the request has none
 
 
 def prefix_chain(body: bytes, block: int, limit: int) -> tuple[int, ...]:
@@ -182,17 +170,17 @@ class PrefixPolicy:
         self._load_factor = 1.0 + opts.epsilon
         self._lru_size = opts.lru_size
         self._fallback = fallback
-        self._replicas: tuple[Replica, ...] = ()
+        self._replicas: tuple[ReplicaView, ...] = ()
         self._seeds: list[hashlib.blake2b] = []
-        self._orders: list[tuple[Replica, ...] | None] = []
-        self._lru: OrderedDict[int, Replica] = OrderedDict()
+        self._orders: list[tuple[ReplicaView, ...] | None] = []
+        self._lru: OrderedDict[int, ReplicaView] = OrderedDict()
         # Known prefix (its deepest known block) -> where it last spilled.
-        self._spilled: OrderedDict[int, Replica] = OrderedDict()
+        self._spilled: OrderedDict[int, ReplicaView] = OrderedDict()
         # replica URL -> [affinity, spill, fallback]; kept across snapshots.
         self.routed: dict[str, list[int]] = {}
-        self._counts: dict[Replica, list[int]] = {}
+        self._counts: dict[ReplicaView, list[int]] = {}
 
-    def update(self, replicas: Sequence[Replica]) -> None:
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
         self._fallback.update(replicas)
         self._seeds = [replica_seed(r.url) for r in self._replicas]
@@ -202,7 +190,7 @@ class PrefixPolicy:
             counts[r] = self.routed.setdefault(r.url, [0, 0, 0])
         self._counts = counts
 
-    def order_for(self, slot: int) -> tuple[Replica, ...]:
+    def order_for(self, slot: int) -> tuple[ReplicaView, ...]:
         order = self._orders[slot]
         if order is None:
             reps = self._replicas
@@ -219,89 +207,112 @@ class PrefixPolicy:
             request.route_key = key
         return key
 
-    def choose(self, exclude: set[Replica] | None,
-               request: Routable | None = None) -> Replica | None:
-        replicas = self._replicas
-        n = len(replicas)
-        if n == 0:
+    def choose(self, exclude: set[ReplicaView] | None,
+               request: Routable | None = None) -> ReplicaView | None:
+        if not self._replicas:
             return None
         key = self.key_of(request) if request is not None else _NO_KEY
         if not key:
             return self._fall_back(exclude)
-        capacity = -1
+        if len(key) > 1 and self._lru_size:
+            return self._choose_known(key, exclude)
         # A prefix this proxy never routed may not load a replica above the mean (so
         # unshared traffic balances like least_load); a known one, or a session, may
         # take (1 + epsilon) x the mean: its cache is worth waiting for.
-        depth = len(key)
-        factor = self._load_factor if depth == 1 else 1.0
+        factor = self._load_factor if len(key) == 1 else 1.0
+        return self._choose_agreed(key, exclude, factor, -1, None)
+
+    def _choose_known(self, key: tuple[int, ...],
+                      exclude: set[ReplicaView] | None) -> ReplicaView | None:
+        """Step 1: the replica of the longest prefix this proxy routed before (the LRU).
+
+        Its replica full: where the prefix spilled before, else the rendezvous order
+        (step 2). Unknown, gone or excluded: the rendezvous order.
+        """
         lru = self._lru
-        hit: Replica | None = None
-        full: int | None = None  # the known block whose replica was over the bound
-        if depth > 1 and self._lru_size:
-            for d in range(depth - 1, 0, -1):
-                hit = lru.get(key[d])
-                if hit is not None:
-                    factor = self._load_factor
-                    if hit.left_at is not None or (exclude is not None and hit in exclude):
-                        hit = None
-                        break
-                    lru.move_to_end(key[d])  # refresh: most recent last
-                    if hit.inflight:
-                        capacity = self._capacity(factor)
-                        if hit.inflight >= capacity:
-                            hit = None
-                            full = key[d]
-                    break
-        chosen = hit
-        reason = AFFINITY
-        if full is not None:
-            # Spill where this prefix spilled before (it is cached there too), so a hot
-            # prefix occupies two replicas' caches, not every replica's.
-            alt = self._spilled.get(full)
-            if (alt is not None and alt.left_at is None and alt.inflight < capacity
-                    and (exclude is None or alt not in exclude)):
-                chosen = alt
-                reason = SPILL
-        if chosen is None:
-            agreed: Replica | None = None  # the first choice not excluded
-            for r in self.order_for(key[0] & (SLOTS - 1)):
-                if exclude is not None and r in exclude:
-                    continue
-                if agreed is None:
-                    agreed = r
-                if r.inflight:
-                    if capacity < 0:
-                        capacity = self._capacity(factor)
-                    if r.inflight >= capacity:
-                        reason = SPILL
-                        continue
-                chosen = r
+        factor = 1.0  # unknown prefix: at most the mean
+        capacity = -1
+        for d in range(len(key) - 1, 0, -1):
+            hit = lru.get(key[d])
+            if hit is None:
+                continue
+            factor = self._load_factor
+            if hit.left_at is not None or (exclude is not None and hit in exclude):
                 break
-            if chosen is None:
-                return self._fall_back(exclude)
-            if full is not None:
-                spilled = self._spilled
-                spilled[full] = chosen
-                spilled.move_to_end(full)
-                if len(spilled) > self._lru_size // 4 + 1:
-                    spilled.popitem(last=False)
-            if depth > 1 and self._lru_size:
-                # Remember where the blocks went (first writer wins). A prefix never seen
-                # that spilled (its first choice above the mean) is remembered at its
-                # first choice: its family's next request goes there, within the bound
-                # of a known prefix, as on every other proxy, instead of being walked
-                # to another cold replica each time.
-                pin = chosen
-                if agreed is not None and factor == 1.0 and reason == SPILL:
-                    pin = agreed
-                for h in key[1:]:
-                    if h not in lru:
-                        lru[h] = pin
-                while len(lru) > self._lru_size:
-                    lru.popitem(last=False)
-        elif depth - 1 > d:
+            lru.move_to_end(key[d])  # refresh: most recent last
+            if hit.inflight:
+                capacity = self._capacity(factor)
+                if hit.inflight >= capacity:
+                    return self._spill(key, d, exclude, capacity)
+            return self._routed_known(key, d, hit, AFFINITY)
+        return self._choose_agreed(key, exclude, factor, capacity, None)
+
+    def _spill(self, key: tuple[int, ...], d: int, exclude: set[ReplicaView] | None,
+               capacity: int) -> ReplicaView | None:
+        """The replica of known block `key[d]` is over the bound: spill where this prefix
+        spilled before (it is cached there too), so a hot prefix occupies two replicas'
+        caches, not every replica's; else walk the rendezvous order."""
+        full = key[d]
+        alt = self._spilled.get(full)
+        if (alt is not None and alt.left_at is None and alt.inflight < capacity
+                and (exclude is None or alt not in exclude)):
+            return self._routed_known(key, d, alt, SPILL)
+        return self._choose_agreed(key, exclude, self._load_factor, capacity, full)
+
+    def _routed_known(self, key: tuple[int, ...], d: int, chosen: ReplicaView,
+                      reason: int) -> ReplicaView:
+        """Routed on known block `key[d]`: its deeper blocks go where it went."""
+        if len(key) - 1 > d:
+            lru = self._lru
             for h in key[d + 1:]:
                 lru[h] = chosen
+            while len(lru) > self._lru_size:
+                lru.popitem(last=False)
+        self._counts[chosen][reason] += 1
+        return chosen
+
+    def _choose_agreed(self, key: tuple[int, ...], exclude: set[ReplicaView] | None,
+                       factor: float, capacity: int, full: int | None) -> ReplicaView | None:
+        """Step 2: the first replica in the key's rendezvous order within the bound
+        (`capacity`, computed here if still -1), remembered in the LRU; none: the fallback.
+        `full`: the known block whose replica was over the bound (remember the spill)."""
+        agreed: ReplicaView | None = None  # the first choice not excluded
+        chosen: ReplicaView | None = None
+        reason = AFFINITY
+        for r in self.order_for(key[0] & (SLOTS - 1)):
+            if exclude is not None and r in exclude:
+                continue
+            if agreed is None:
+                agreed = r
+            if r.inflight:
+                if capacity < 0:
+                    capacity = self._capacity(factor)
+                if r.inflight >= capacity:
+                    reason = SPILL
+                    continue
+            chosen = r
+            break
+        if chosen is None:
+            return self._fall_back(exclude)
+        if full is not None:
+            spilled = self._spilled
+            spilled[full] = chosen
+            spilled.move_to_end(full)
+            if len(spilled) > self._lru_size // 4 + 1:
+                spilled.popitem(last=False)
+        if len(key) > 1 and self._lru_size:
+            # Remember where the blocks went (first writer wins). A prefix never seen
+            # that spilled (its first choice above the mean) is remembered at its
+            # first choice: its family's next request goes there, within the bound
+            # of a known prefix, as on every other proxy, instead of being walked
+            # to another cold replica each time.
+            lru = self._lru
+            pin = chosen
+            if agreed is not None and factor == 1.0 and reason == SPILL:
+                pin = agreed
+            for h in key[1:]:
+                if h not in lru:
+                    lru[h] = pin
             while len(lru) > self._lru_size:
                 lru.popitem(last=False)
         self._counts[chosen][reason] += 1
@@ -322,7 +333,7 @@ class PrefixPolicy:
             return total // n + 1
         return math.ceil(factor * (total + 1) / n)
 
-    def _fall_back(self, exclude: set[Replica] | None) -> Replica | None:
+    def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:
         chosen = self._fallback.choose(exclude)
         if chosen is not None:
             counts = self._counts.get(chosen)

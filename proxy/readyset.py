@@ -11,147 +11,47 @@ an empty host, a host that is neither an IP address nor an ASCII DNS name with
 labels of at most 63 bytes, a scheme other than http/https, a duplicate
 replica id or URL. Such a snapshot raises SnapshotInvalid (naming the replica
 and the defect) before any state changes: it is rejected whole and the set in
-force stays. The source counts and logs it. A Replica (and its connection pool) outlives its
-absence from the set for `pool_grace` seconds, so a replica that flaps out for
-one snapshot comes back warm; its pool is closed only after the grace and with
+force stays (the URL checks live with the Replica, proxy/replica.py). The source
+counts and logs it. A Replica (and its connection pool) outlives its absence
+from the set for `pool_grace` seconds, so a replica that flaps out for one
+snapshot comes back warm; its pool is closed only after the grace and with
 nothing in flight.
+
+Requests wait here for a replica when the set is empty (`add_waiter`); a source
+may register a hold listener (`set_hold_listener`) to learn that a request is
+being held, e.g. to ask the controller for a replica.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-import re
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
-from urllib.parse import quote, urlsplit
 
 from proxy.errors import ConfigError
-from proxy.policies import Policy, make_policy
+from proxy.interfaces import ConnectionPool, Policy, ReplicaView, Routable
+from proxy.policies import make_policy
+from proxy.replica import Replica, parse_replica_url
 from proxy.waiters import WaiterQueue
 from proxy.wire.errors import SnapshotInvalid
-from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
 
-if TYPE_CHECKING:
-    from proxy.prefix import Routable
+# Replica and parse_replica_url are re-exported: `from proxy.readyset import Replica` keeps working.
+__all__ = ["ReadySet", "Replica", "parse_replica_url"]
 
 log = logging.getLogger("sluice.proxy")
 
 
-_DNS_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
-
-
-def _check_host(host: str) -> None:
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    if not host.isascii():
-        raise SnapshotInvalid(f"host {host!r} is not ASCII (use its punycode form)")
-    name = host[:-1] if host.endswith(".") else host
-    if len(name) > 253:
-        raise SnapshotInvalid(f"host {host[:40]!r}... is longer than 253 bytes")
-    for label in name.split("."):
-        if not _DNS_LABEL.match(label):
-            shown = label if len(label) <= 70 else label[:60] + "..."
-            raise SnapshotInvalid(
-                f"host {host[:80]!r}: label {shown!r} is not 1-63 letters, digits, "
-                f"'-' or '_' ({len(label)} bytes)")
-
-
-def parse_replica_url(url: str) -> tuple[bool, str, int]:
-    """(tls, host, port) of a replica URL; SnapshotInvalid says what is wrong with it."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise SnapshotInvalid(f"url {url!r}: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise SnapshotInvalid(f"url {url!r}: scheme must be http or https")
-    host = parts.hostname
-    if not host:
-        raise SnapshotInvalid(f"url {url!r} has no host")
-    if port == 0:
-        raise SnapshotInvalid(f"url {url!r}: port 0")
-    try:
-        _check_host(host)
-    except SnapshotInvalid as exc:
-        raise SnapshotInvalid(f"url {url[:120]!r}: {exc}") from None
-    tls = parts.scheme == "https"
-    return tls, host, port or (443 if tls else 80)
-
-
-class Pool(Protocol):
-    """What the ready set needs of a replica's connection pool."""
-
-    def close(self) -> None: ...
-
-    @property
-    def size(self) -> int: ...
-
-
-class Replica:
-    """One upstream replica as the proxy sees it; identity is its URL."""
-
-    __slots__ = (
-        "accelerator",
-        "host",
-        "host_header",
-        "id",
-        "inflight",
-        "left_at",
-        "path",
-        "pool",
-        "port",
-        "target_qps",
-        "tls",
-        "url",
-        "version",
-    )
-
-    def __init__(self, info: ReadyReplica) -> None:
-        try:
-            self.tls, self.host, self.port = parse_replica_url(info.url)
-        except SnapshotInvalid as exc:
-            raise SnapshotInvalid(f"replica {info.id}: {exc}") from None
-        self.url = info.url
-        default_port = 443 if self.tls else 80
-        netloc = f"[{self.host}]" if ":" in self.host else self.host
-        if self.port != default_port:
-            netloc = f"{netloc}:{self.port}"
-        self.host_header = netloc.encode("ascii")
-        # A path in the URL (Sky Serve's Kubernetes ingress: http://host/skypilot/ns/c/port)
-        # prefixes every request path sent to this replica.
-        path = urlsplit(info.url).path.rstrip("/")
-        self.path = quote(path, safe="/%:@!$&'()*+,;=-._~").encode("ascii")
-        self.id = info.id
-        self.version = info.version
-        self.accelerator = info.accelerator
-        self.target_qps = info.target_qps
-        self.inflight = 0
-        self.left_at: float | None = None
-        self.pool: Pool | None = None
-
-    def refresh(self, info: ReadyReplica) -> None:
-        self.id = info.id
-        self.version = info.version
-        self.accelerator = info.accelerator
-        self.target_qps = info.target_qps
-
-    def __repr__(self) -> str:
-        return f"Replica({self.id}, {self.url}, inflight={self.inflight})"
-
-
 class ReadySet:
+    """The snapshot in force, its Replicas and policy, and the requests held for a replica."""
+
     def __init__(
         self,
         *,
         policy_override: str | None = None,
         target_qps: dict[str, float] | None = None,
         prefix_options: PrefixOptions | None = None,
-        pool_factory: Callable[[Replica], Pool] | None = None,
+        pool_factory: Callable[[Replica], ConnectionPool] | None = None,
         pool_grace: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -169,9 +69,16 @@ class ReadySet:
         self.applied_at = 0.0  # wall clock of the last apply
         # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).
         self._waiters: WaiterQueue[Callable[[], None]] = WaiterQueue()
-        # Called (no I/O: it sets an event) when a request starts waiting for a replica;
-        # the Redis source turns it into a demand nudge for a service scaled to zero.
-        self.on_hold: Callable[[], None] | None = None
+        self._on_hold: Callable[[], None] | None = None  # set_hold_listener
+
+    def set_hold_listener(self, listener: Callable[[], None] | None) -> None:
+        """Have `listener()` called whenever a request starts waiting while the set is empty.
+
+        It runs on the request path, so it must not block or do I/O (the Redis source
+        passes an Event's `set` and turns it into a demand nudge for a service scaled to
+        zero). One listener at a time; None removes it.
+        """
+        self._on_hold = listener
 
     @property
     def generation(self) -> int:
@@ -231,20 +138,18 @@ class ReadySet:
                 wake()
         return True
 
-    def choose(self, exclude: set[Replica] | None = None,
-               request: Routable | None = None) -> Replica | None:
+    def choose(self, exclude: set[ReplicaView] | None = None,
+               request: Routable | None = None) -> ReplicaView | None:
         return self.policy.choose(exclude, request)
 
     def add_waiter(self, wake: Callable[[], None]) -> None:
         self._waiters.append(wake)
-        if self.on_hold is not None and not self.replicas:
-            self.on_hold()
+        on_hold = self._on_hold
+        if on_hold is not None and not self.replicas:
+            on_hold()
 
     def remove_waiter(self, wake: Callable[[], None]) -> None:
         self._waiters.discard(wake)
-
-    def is_ready(self, replica: Replica) -> bool:
-        return replica.left_at is None
 
     def sweep(self) -> None:
         """Close the pools of replicas gone longer than the grace with nothing in flight."""

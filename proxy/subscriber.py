@@ -166,7 +166,7 @@ class RedisSource:
         self._sync_task = asyncio.create_task(self._sync_loop(), name="sluice-redis-sync")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
         self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
-        ready_set.on_hold = self._demand.set
+        ready_set.set_hold_listener(self._demand.set)
         with contextlib.suppress(asyncio.TimeoutError):
             async with timeout(self._start_timeout):
                 await self._synced.wait()
@@ -176,7 +176,7 @@ class RedisSource:
         bounded (2 s in all), whatever state Redis is in."""
         self._closing = True
         if self._ready_set is not None:
-            self._ready_set.on_hold = None
+            self._ready_set.set_hold_listener(None)
         await stop_tasks((self._sync_task, self._flush_task, self._demand_task), 1.0)
         self._sync_task = self._flush_task = self._demand_task = None
         client, self._client = self._client, None

@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 import httptools
 
-if TYPE_CHECKING:
-    from proxy.pool import ReplicaPool
-    from proxy.server import Exchange
+from proxy.interfaces import PAUSE_UPSTREAM, ConnectionOwner, ResponseSink
 
 log = logging.getLogger("sluice.proxy")
 
@@ -47,6 +44,9 @@ class _HeadersTooLarge(Exception):
 
 
 class UpstreamConnection(asyncio.Protocol):
+    """A connection to a replica (an interfaces.UpstreamLink); its exchange is an
+    interfaces.ResponseSink, its pool an interfaces.ConnectionOwner."""
+
     __slots__ = (
         "body_framed",
         "closed",
@@ -66,14 +66,14 @@ class UpstreamConnection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, pool: ReplicaPool) -> None:
+    def __init__(self, pool: ConnectionOwner) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.exchange: Exchange | None = None
+        self.exchange: ResponseSink | None = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.header_bytes = 0
-        self.done: Exchange | None = None  # its response completed in the read being parsed
+        self.done: ResponseSink | None = None  # its response completed in the read being parsed
         self.extra = False  # the replica sent bytes after a complete response
         self.status = 0
         self.keep_alive = False
@@ -140,12 +140,12 @@ class UpstreamConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         ex = self.exchange
         if ex is not None:
-            ex.client.pause_reading_for(4)
+            ex.client.pause_reading_for(PAUSE_UPSTREAM)
 
     def resume_writing(self) -> None:
         ex = self.exchange
         if ex is not None:
-            ex.client.resume_reading_for(4)
+            ex.client.resume_reading_for(PAUSE_UPSTREAM)
 
     # -- llhttp callbacks -----------------------------------------------------
 

@@ -481,7 +481,7 @@ async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
 ) -> None:
     """The proxy does not hold a request forever for its routing bytes: after 1 s it
     routes on what arrived, and the rest of the body streams on."""
-    from proxy.server import _ROUTE_WAIT
+    from proxy.exchange import _ROUTE_WAIT
 
     reps = await replica_factory.astart(2, ids=["a", "b"])
     proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", replicas=reps)

@@ -1,0 +1,595 @@
+"""Exchange: one request from arrival to the end of its response (the request's state machine).
+
+The client connection (server.py) parses a request head and creates an
+Exchange, which picks a replica from the ready set, takes a pooled connection,
+writes the request head and body in one write, and relays the response back
+chunk by chunk. The common path (a replica and an idle connection available at
+once) runs entirely in callbacks: no Task, no Future, no logging, no timer
+object. The Exchange sees its client, pool and upstream connection only
+through proxy/interfaces.py.
+
+States, in order: NEW (head read; maybe holding the body's first bytes for the
+policy), WAIT_REPLICA (held for a ready replica), WAIT_CONN (waiting for a pool
+connection), SENT (request on the wire, no response head yet), STREAMING
+(response head relayed), DONE.
+
+Timeouts are enforced by the connection's sweeper (`ServerContext.tick`, every
+100 ms, calling `Exchange.tick`), which looks at absolute deadlines and progress
+counters instead of a timer per request: the request deadline (until response
+headers; time spent uploading the body to a replica does not count), the wait
+for a ready replica, and the idle time between response chunks and between
+request-body chunks (408).
+
+Retries: only before anything was sent to the client, only while the request
+body is still held in full (bodies up to `retry_body_limit` are kept), up to
+`max_attempts`, each on a replica not yet tried when one exists. A pooled
+connection that turns out stale (closed before any response byte) gets one
+extra attempt that does not count against `max_attempts`.
+
+This module is over the ~400-line target on purpose: the Exchange is one state
+machine whose transitions read best side by side, and splitting its methods over
+modules (mixins) would scatter one object's state without making any part simpler.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Protocol
+
+from proxy import http
+from proxy.interfaces import (
+    PAUSE_BODY_BUFFER,
+    PAUSE_UPSTREAM,
+    ClientView,
+    ConnectionPool,
+    ReplicaView,
+    UpstreamLink,
+)
+
+if TYPE_CHECKING:
+    from proxy.config import ProxyConfig
+    from proxy.readyset import ReadySet
+    from proxy.stats import Stats
+
+# Exchange states, in order.
+NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
+
+_BODY_BUFFER_HIGH = 256 * 1024
+_ROUTE_WAIT = 1.0  # longest a request waits for the body bytes its policy routes on
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+
+
+class Clock(Protocol):
+    def time(self) -> float: ...
+
+
+class ExchangeContext(Protocol):
+    """What an Exchange reads of its process (server.ServerContext)."""
+
+    @property
+    def config(self) -> ProxyConfig: ...
+
+    @property
+    def ready_set(self) -> ReadySet: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+    @property
+    def loop(self) -> Clock: ...  # loop.time(): the exact clock
+
+    @property
+    def now(self) -> float: ...  # the coarse clock, advanced by the sweeper
+
+    @property
+    def draining(self) -> bool: ...
+
+
+class Exchange:
+    """One request from arrival to the end of its response."""
+
+    __slots__ = (
+        "attempts",
+        "awaiting_body",
+        "body",
+        "body_done",
+        "body_len",
+        "body_whole",
+        "chunked",
+        "client",
+        "close_after",
+        "ctx",
+        "deadline_at",
+        "discard_body",
+        "empty_until",
+        "has_body",
+        "head_line",
+        "head_tail",
+        "heartbeat_at",
+        "is_head",
+        "last_error",
+        "out",
+        "pool",
+        "progress",
+        "progress_at",
+        "replica",
+        "req_headers",
+        "resp_chunked",
+        "route_key",
+        "seen_progress",
+        "sse_held",
+        "stale_retry_used",
+        "started",
+        "state",
+        "status",
+        "tried",
+        "up_out",
+        "upload_at",
+        "upstream",
+    )
+
+    def __init__(self, ctx: ExchangeContext, client: ClientView, method: bytes,
+                 head_line: bytes, head_tail: bytes, *, keep_alive: bool, chunked: bool,
+                 started: float, has_body: bool = False) -> None:
+        # -- where it runs
+        self.ctx = ctx
+        self.client = client
+        self.state = NEW
+        # -- the request as the replica will get it
+        self.head_line = head_line
+        self.head_tail = head_tail
+        self.chunked = chunked  # the request body is chunked (re-chunked as received)
+        self.is_head = method == b"HEAD"
+        self.has_body = has_body
+        self.req_headers: list[tuple[bytes, bytes]] = []  # read by routing policies
+        self.route_key: tuple[int, ...] | None = None  # computed by the prefix policy
+        self.awaiting_body = False  # holding the body's first bytes before choosing
+        # -- the request body
+        self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
+        self.body_len = 0
+        self.body_done = False
+        self.body_whole = True  # every body byte received so far is still held
+        self.up_out: list[bytes] = []  # request body bytes not yet written upstream
+        self.upload_at = 0.0  # > 0 while the body streams to a replica: when that began
+        # -- time: absolute deadlines, checked by tick()
+        self.started = started
+        self.deadline_at = started + ctx.config.retry_deadline
+        self.empty_until = 0.0  # while held for a replica: answer 503 then
+        self.heartbeat_at = 0.0  # while held: next SSE heartbeat (--hold-heartbeat)
+        self.progress = 0  # body chunks seen (either direction); tick() compares
+        self.seen_progress = 0
+        self.progress_at = 0.0
+        # -- the attempt: replica, pool, connection, retries
+        self.replica: ReplicaView | None = None
+        self.pool: ConnectionPool | None = None
+        self.upstream: UpstreamLink | None = None
+        self.attempts = 0
+        self.tried: set[ReplicaView] | None = None
+        self.stale_retry_used = False
+        self.last_error = "none"
+        # -- the response relayed to the client
+        self.status = 0
+        self.out: list[bytes] = []  # response bytes not yet written to the client
+        self.resp_chunked = False  # we chunk the body for the client
+        self.close_after = not keep_alive  # close the client connection after this response
+        self.sse_held = False  # our own 200 event-stream head went out while held
+        self.discard_body = False  # the held stream ended with an error event: drop the body
+
+    # -- choosing a replica and a connection ------------------------------------
+
+    def start(self) -> None:
+        ctx = self.ctx
+        ctx.stats.requests_total += 1
+        if ctx.draining:
+            self.close_after = True  # served, but the connection closes after it
+        need = ctx.ready_set.policy.body_prefix
+        if need and self.has_body and not self.body_done and self.body_len < need:
+            # The policy routes on the body's first bytes: choose once they are here
+            # (on_request_body, on_request_complete, or tick after _ROUTE_WAIT).
+            self.awaiting_body = True
+            return
+        self.pick()
+
+    def route_now(self) -> None:
+        self.awaiting_body = False
+        if self.state == NEW:  # not answered meanwhile (413, client gone)
+            self.pick()
+
+    def pick(self) -> None:
+        ready_set = self.ctx.ready_set
+        replica = ready_set.choose(self.tried, self)
+        if replica is None:
+            if ready_set.replicas:
+                replica = ready_set.choose(None, self)  # every replica tried: reuse one
+            if replica is None:
+                self.state = WAIT_REPLICA
+                cfg = self.ctx.config
+                self.empty_until = min(self.ctx.now + cfg.empty_wait, self.deadline_at)
+                if cfg.hold_heartbeat and not self.heartbeat_at:
+                    self.heartbeat_at = self.ctx.now + cfg.hold_heartbeat
+                ready_set.add_waiter(self.wake)
+                return
+        self.replica = replica
+        replica.inflight += 1
+        self.attempts += 1
+        self.ctx.stats.attempts += 1
+        pool: ConnectionPool = replica.pool  # type: ignore[assignment]
+        self.pool = pool
+        self.state = WAIT_CONN
+        conn = pool.acquire(self)
+        if conn is not None:
+            self.on_connection(conn)
+
+    def wake(self) -> None:
+        if self.state == WAIT_REPLICA:
+            self.pick()
+
+    def wants_connection(self, pool: ConnectionPool) -> bool:
+        return self.state == WAIT_CONN and self.pool is pool
+
+    def on_connection(self, conn: UpstreamLink) -> None:
+        self.upstream = conn
+        conn.exchange = self
+        conn.in_response = False
+        conn.body_framed = True
+        self.state = SENT
+        replica: ReplicaView = self.replica  # type: ignore[assignment]
+        head_line = self.head_line
+        if replica.path:  # "GET /v1/x HTTP/1.1" -> "GET /prefix/v1/x HTTP/1.1"
+            head_line = head_line.replace(b" ", b" " + replica.path, 1)
+        parts = [head_line, b"Host: ", replica.host_header, http.CRLF, self.head_tail]
+        if self.chunked:
+            parts.extend(http.chunk(b) for b in self.body if b)
+            if self.body_done:
+                parts.append(http.LAST_CHUNK)
+        else:
+            parts.extend(self.body)
+        if self.client.write_paused:
+            conn.pause_reading()  # the client is not taking what it was already sent
+        elif conn.paused:
+            conn.resume_reading()  # paused by a previous exchange's slow client
+        conn.send(b"".join(parts))
+        if not self.body_done:
+            self.upload_at = self.progress_at = self.ctx.now
+        if self.body_len > self.ctx.config.retry_body_limit:
+            self.body_whole = False
+            self.body.clear()
+        self.client.resume_reading_for(PAUSE_BODY_BUFFER)
+
+    def on_connect_failed(self, error: Exception) -> None:
+        self.last_error = str(error) or type(error).__name__
+        self.release_replica()
+        self.retry_or_fail(free=False)
+
+    # -- the request body -----------------------------------------------------------
+
+    def on_request_body(self, data: bytes) -> None:
+        if self.state == DONE:
+            return  # the replica answered early; the rest of the body is discarded
+        self.body_len += len(data)
+        cfg = self.ctx.config
+        if self.body_len > cfg.max_body:
+            if self.state < STREAMING:
+                self.respond(http.TOO_LARGE, 413, close=True)
+            else:
+                self.cut()
+            return
+        self.progress += 1
+        conn = self.upstream
+        if conn is not None:
+            # Sent once at the end of the client's read (many small chunks: one write).
+            up_out = self.up_out
+            if self.chunked:
+                up_out.append(b"%x\r\n" % len(data))
+                up_out.append(data)
+                up_out.append(http.CRLF)
+            else:
+                up_out.append(data)
+            self.upload_at_read_end()
+            if self.body_whole:
+                if self.body_len <= cfg.retry_body_limit:
+                    self.body.append(data)
+                else:
+                    # Too large to keep for a retry: this request can no longer be retried.
+                    self.body_whole = False
+                    self.body.clear()
+        else:
+            # Not sent anywhere yet: hold it all (reading pauses past the high-water mark).
+            self.body.append(data)
+            if self.body_len > _BODY_BUFFER_HIGH:
+                self.client.pause_reading_for(PAUSE_BODY_BUFFER)
+            if self.awaiting_body and self.body_len >= self.ctx.ready_set.policy.body_prefix:
+                self.route_now()
+
+    def on_request_complete(self) -> None:
+        self.body_done = True
+        if self.awaiting_body:
+            self.route_now()  # sends the whole body, with the last chunk, once connected
+            return
+        conn = self.upstream
+        if conn is not None:
+            if self.chunked:
+                self.up_out.append(http.LAST_CHUNK)
+                self.upload_at_read_end()
+            if self.upload_at:
+                # The time the client spent sending the body to the replica does not count
+                # against the deadline (which bounds waiting for a replica and for headers).
+                self.deadline_at += self.ctx.now - self.upload_at
+                self.upload_at = 0.0
+
+    def upload_at_read_end(self) -> None:
+        """Have `up_out` written when the client's read has been parsed (one write per read)."""
+        client = self.client
+        waiting = client.upload
+        if waiting is not self:
+            if waiting is not None:
+                waiting.flush_upstream()  # another exchange's bytes go first, as received
+            client.upload = self
+
+    def flush_upstream(self) -> None:
+        up_out = self.up_out
+        conn = self.upstream
+        if up_out:
+            if conn is not None:
+                conn.send(up_out[0] if len(up_out) == 1 else b"".join(up_out))
+            up_out.clear()
+
+    # -- the response ---------------------------------------------------------------
+
+    def on_response_headers(self, conn: UpstreamLink, status: int,
+                            headers: list[tuple[bytes, bytes]]) -> bool:
+        """Relay the response head; True when no body follows (a HEAD request)."""
+        ctx = self.ctx
+        if (status >= 500 and self.replica is not None
+                and self.replica.left_at is not None and self.can_retry()):
+            # A replica that is leaving the set answers 5xx: try another one instead.
+            self.last_error = f"HTTP {status} from a leaving replica"
+            self.detach_upstream(abort=True)
+            self.release_replica()
+            self.retry_or_fail(free=False)
+            return False
+        self.state = STREAMING
+        self.status = status
+        ctx.stats.ttfb.observe(ctx.loop.time() - self.started)
+        if self.sse_held:
+            return self._continue_held_stream(conn, status, headers)
+        self.out.append(self._response_head(conn, status, headers))
+        self.progress_at = ctx.now
+        return self.is_head
+
+    def _response_head(self, conn: UpstreamLink, status: int,
+                       headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The head relayed to the client: hop-by-hop headers dropped, framing re-decided."""
+        out = [http.status_line(status)]
+        hop = http.HOP_BY_HOP
+        length = False
+        chunked = False
+        connection: list[bytes] | None = None
+        for name, value in headers:
+            lname = name.lower()
+            if lname in hop:
+                if lname == b"transfer-encoding":
+                    chunked = True
+                elif lname == b"connection":
+                    if connection is None:
+                        connection = [value]
+                    else:
+                        connection.append(value)
+                continue
+            if lname == b"content-length":
+                length = True
+            out.append(b"%s: %s\r\n" % (name, value))
+        if connection is not None:
+            named = http.named_hop_headers(connection)
+            if named:
+                out = [out[0]] + [
+                    line for line in out[1:] if line.split(b":", 1)[0].lower() not in named
+                ]
+        no_body = self.is_head or status == 204 or status == 304
+        if not no_body and not length:
+            if not chunked:
+                conn.body_framed = False  # ends when the replica closes
+            if self.client.http11:
+                out.append(b"Transfer-Encoding: chunked\r\n")
+                self.resp_chunked = True
+            else:
+                self.close_after = True  # HTTP/1.0 client: delimit by closing
+        elif self.is_head and chunked:
+            out.append(b"Transfer-Encoding: chunked\r\n")
+        if self.close_after or self.ctx.draining:
+            self.close_after = True
+            out.append(b"Connection: close\r\n")
+        elif not self.client.http11:
+            out.append(b"Connection: keep-alive\r\n")
+        out.append(http.CRLF)
+        return b"".join(out)
+
+    def _continue_held_stream(self, conn: UpstreamLink, status: int,
+                              headers: list[tuple[bytes, bytes]]) -> bool:
+        """The client already has our 200 event-stream head: relay only the body."""
+        if status != 200:
+            self.out.append(http.chunk(http.sse_error(status, "upstream_status")))
+            self.close_after = True
+            self.discard_body = True
+        names = {name.lower() for name, _ in headers}
+        if b"content-length" not in names and b"transfer-encoding" not in names:
+            conn.body_framed = False
+        self.progress_at = self.ctx.now
+        return False
+
+    def heartbeat(self, now: float) -> None:
+        """Held past --hold-heartbeat: start (or continue) the SSE heartbeat stream."""
+        every = self.ctx.config.hold_heartbeat
+        self.heartbeat_at = now + every
+        if self.sse_held:
+            self.client.write(http.chunk(http.SSE_HEARTBEAT))
+            return
+        # Only a complete `"stream": true` body from an HTTP/1.1 client (rare path: the
+        # body was held in full, and this runs once per held request).
+        if not (self.body_done and self.body_whole and self.client.http11
+                and _STREAM_TRUE.search(b"".join(self.body))):
+            self.heartbeat_at = float("inf")
+            return
+        self.sse_held = True
+        self.resp_chunked = True
+        self.client.write(http.SSE_HOLD_HEAD + http.chunk(http.SSE_HEARTBEAT))
+
+    def on_response_body(self, data: bytes) -> None:
+        self.progress += 1
+        if self.discard_body:
+            return
+        if self.resp_chunked:
+            self.out.append(b"%x\r\n" % len(data))
+            self.out.append(data)
+            self.out.append(http.CRLF)
+        else:
+            self.out.append(data)
+
+    def flush_client(self) -> None:
+        out = self.out
+        if out:
+            self.client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def on_response_complete(self, conn: UpstreamLink, reusable: bool) -> None:
+        if self.resp_chunked:
+            self.out.append(http.LAST_CHUNK)
+        self.flush_client()
+        conn.served += 1
+        self.upstream = None
+        pool: ConnectionPool = self.pool  # type: ignore[assignment]
+        # A request body not fully sent leaves the connection mid-message: not reusable.
+        pool.release(conn, reusable and self.body_done)
+        stats = self.ctx.stats
+        stats.upstream_latency.observe(self.ctx.loop.time() - self.started)
+        stats.count_response(self.status)
+        self.finish(self.close_after)
+
+    def on_upstream_error(self, error: str) -> None:
+        """The replica broke a limit (oversized headers or trailers): 502, or cut if started."""
+        if self.state == STREAMING:
+            self.cut()
+        else:
+            self.last_error = error
+            self.respond(http.bad_gateway(error), 502)
+
+    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None:
+        self.upstream = None
+        if self.state == STREAMING or in_response:
+            # Cut after the first byte: never retried; end the client's stream visibly.
+            self.flush_client()
+            self.ctx.stats.count_response(self.status)
+            self.finish(True)
+            return
+        self.last_error = "UpstreamResetError"  # the name clients see in the 502 detail
+        free = conn.served > 0 and not self.stale_retry_used
+        self.release_replica(tried=not free)
+        self.retry_or_fail(free=free)
+
+    # -- endings ----------------------------------------------------------------
+
+    def can_retry(self) -> bool:
+        return (self.body_whole and self.ctx.loop.time() < self.deadline_at
+                and self.attempts < self.ctx.config.max_attempts)
+
+    def retry_or_fail(self, free: bool) -> None:
+        if self.state == DONE:
+            return
+        if free:
+            self.stale_retry_used = True
+            self.attempts -= 1
+        if self.can_retry():
+            self.ctx.stats.retries += 1
+            self.pick()
+        elif self.ctx.loop.time() >= self.deadline_at:
+            self.respond(http.DEADLINE, 504)
+        else:
+            self.respond(http.bad_gateway(self.last_error), 502)
+
+    def release_replica(self, tried: bool = True) -> None:
+        replica = self.replica
+        if replica is not None:
+            self.replica = None
+            replica.inflight -= 1
+            if tried:
+                if self.tried is None:
+                    self.tried = {replica}
+                else:
+                    self.tried.add(replica)
+
+    def detach_upstream(self, abort: bool) -> None:
+        conn = self.upstream
+        if conn is not None:
+            self.upstream = None
+            conn.exchange = None
+            if abort:
+                conn.abort()
+        if self.state == WAIT_CONN and self.pool is not None:
+            self.pool.cancel(self)
+        elif self.state == WAIT_REPLICA:
+            self.ctx.ready_set.remove_waiter(self.wake)
+
+    def respond(self, response: bytes, status: int, close: bool = False) -> None:
+        """Answer with a proxy-generated response; only before any response byte was sent."""
+        self.detach_upstream(abort=True)
+        self.release_replica()
+        if self.sse_held:
+            # Our 200 head is out: end the event stream with an error event instead.
+            response = http.chunk(http.sse_error(status)) + http.LAST_CHUNK
+        elif self.is_head:
+            response = response[:response.index(b"\r\n\r\n") + 4]  # no body, ever, for HEAD
+        self.client.write(response)
+        self.ctx.stats.count_response(status)
+        self.finish(close or self.close_after)
+
+    def cut(self) -> None:
+        """End a response that already started: the client sees the connection close."""
+        self.detach_upstream(abort=True)
+        self.flush_client()
+        self.ctx.stats.count_response(self.status)
+        self.finish(True)
+
+    def finish(self, close: bool) -> None:
+        if self.state == DONE:
+            return
+        self.state = DONE
+        self.release_replica(tried=False)
+        self.client.resume_reading_for(PAUSE_BODY_BUFFER | PAUSE_UPSTREAM)
+        self.client.exchange_done(self, close)
+
+    def on_client_lost(self) -> None:
+        """The client went away: cancel the upstream request at once (499)."""
+        if self.state == DONE:
+            return
+        self.detach_upstream(abort=True)
+        self.release_replica(tried=False)
+        self.state = DONE
+        self.ctx.stats.count_response(499)
+
+    def tick(self, now: float) -> None:
+        state = self.state
+        if state == STREAMING:
+            if self.progress != self.seen_progress:
+                self.seen_progress = self.progress
+                self.progress_at = now
+            elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
+                self.cut()
+        elif state == WAIT_REPLICA:
+            if now >= self.deadline_at:
+                self.respond(http.DEADLINE, 504)
+            elif now >= self.empty_until:
+                self.respond(http.NO_REPLICA, 503)
+            elif self.heartbeat_at and now >= self.heartbeat_at:
+                self.heartbeat(now)
+        elif state == SENT and self.upload_at:
+            # The client is still sending the body: the idle timeout governs, not the deadline.
+            if self.progress != self.seen_progress:
+                self.seen_progress = self.progress
+                self.progress_at = now
+            elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
+                self.respond(http.REQUEST_TIMEOUT, 408, close=True)
+        elif state == WAIT_CONN or state == SENT:
+            if now >= self.deadline_at:
+                self.respond(http.DEADLINE, 504)
+        elif self.awaiting_body and now - self.started >= _ROUTE_WAIT:
+            self.route_now()  # a slow body: route on what arrived
