@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 
 from controlplane import processes
+from controlplane.controller import ControllerConfig
 from controlplane.spec import ServiceSpec
 from controlplane.statedir import StateDir, read_secret, with_password, write_private
 from controlplane.store import DEFAULT_PREFIX
@@ -38,7 +39,8 @@ class RunConfig:
     startup_timeout: float = 30.0  # for the proxy to listen
     refresh: float = 0.5  # seconds between status refreshes
     log_level: str = "INFO"
-    backend: str = "local"  # what the controller launches replicas with: local | skypilot
+    # What the controller launches replicas with: local | skypilot.
+    backend: str = ControllerConfig.backend
 
 
 class RunInfo(msgspec.Struct, kw_only=True):
