@@ -30,9 +30,8 @@ Adoption: `recover()` finds the UP cluster of a replica whose launch a dead
 controller left unrecorded; `sweep()` (given every recorded replica id per
 service) tears down clusters of this namespace that no record owns.
 
-Modules: skypilot_task.py (cluster names, the task, status texts: pure),
-skypilot_status.py (the status cache), skypilot_sdk.py (SkyPilot's SDK behind one
-adapter), this one (the backend).
+Beside it: skypilot_task.py (names, the task, status texts; pure), skypilot_status.py
+(the status cache), skypilot_sdk.py (SkyPilot's SDK behind one adapter).
 """
 
 from __future__ import annotations
