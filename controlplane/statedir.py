@@ -1,4 +1,8 @@
-"""Private files in the state dir, and Redis URLs with and without their password.
+"""The state dir: where every file lives (`StateDir`), private files, and Redis URLs
+with and without their password.
+
+`StateDir` is the one place that names a path under the state dir; `sluice run`,
+the CLI and the local backend ask it rather than joining names themselves.
 
 Everything sluice writes under its state dir is for its own user only:
 directories 0700, files 0600 (logs, run.json, handle files, the Redis password
@@ -13,6 +17,7 @@ to its children in their environment, and the ops commands read it from there.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -21,6 +26,76 @@ from proxy import redisurl
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+
+#: The state dir when none is given (`--state-dir`, env SLUICE_STATE_DIR).
+DEFAULT_STATE_DIR = "~/.sluice"
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """Every path under a state dir `root`:
+
+        run.json                          a live `sluice run` (run.RunInfo)
+        controller.log                    the controller's output under `sluice run`
+        redis/                            `sluice run`'s embedded redis-server
+        redis/password                    the Redis password of a `sluice run` (0600)
+        {service}/                        one service's files (0700)
+          proxy.log                       `sluice run`'s proxy
+          replica-{id}.log                a local replica's output
+          replica-{id}.json               its handle file, from spawn to termination
+          setup-v{version}.log            the setup of a version (local backend)
+          setup-v{version}.json           its handle file while it runs
+          setup-v{version}-{key}.done     marks that setup as done for that task
+    """
+
+    root: Path
+
+    @property
+    def run_info(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def controller_log(self) -> Path:
+        return self.root / "controller.log"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.root / "redis"
+
+    @property
+    def redis_password(self) -> Path:
+        return self.redis_dir / "password"
+
+    def service_dir(self, service: str) -> Path:
+        return self.root / service
+
+    def proxy_log(self, service: str) -> Path:
+        return self.service_dir(service) / "proxy.log"
+
+    def replica_log(self, service: str, replica_id: int) -> Path:
+        return self.service_dir(service) / f"replica-{replica_id}.log"
+
+    def replica_handle(self, service: str, replica_id: int) -> Path:
+        return handle_file_of(self.replica_log(service, replica_id))
+
+    def setup_log(self, service: str, version: int) -> Path:
+        return self.service_dir(service) / f"setup-v{version}.log"
+
+    def setup_handle(self, service: str, version: int) -> Path:
+        return handle_file_of(self.setup_log(service, version))
+
+    def setup_marker(self, service: str, version: int, key: str) -> Path:
+        return self.service_dir(service) / f"setup-v{version}-{key}.done"
+
+    def handle_files(self, service: str) -> list[Path]:
+        """The handle files of `service`'s replicas and running setups, sorted."""
+        directory = self.service_dir(service)
+        return sorted([*directory.glob("replica-*.json"), *directory.glob("setup-v*.json")])
+
+
+def handle_file_of(log_path: Path) -> Path:
+    """The handle file next to a replica's or setup's log (a handle records its log)."""
+    return log_path.with_suffix(".json")
 
 
 def private_dir(path: Path, *, enforce: bool = True) -> Path:

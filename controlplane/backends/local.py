@@ -1,15 +1,8 @@
 """The local backend: each replica is a process group on this machine.
 
-Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless the spec names a
-port (`service.ports`, or the one `resources.ports`) and its run command spells that
-port out (after `$VAR` from envs and secrets) without using `$PORT`: a Sky Serve
-YAML such as `vllm serve --port 8080`, whose replica listens on that fixed port
-whatever sluice says. (A program that reads the PORT variable itself, like
-examples/echo_server.py, is not fixed: its run command names no port.) That replica is run with
-`PORT` set to the fixed port and probed and routed there; `check_fixed_port`
-refuses (at `up`, `update`, `run`) a spec that could need two replicas on it at
-once, so the mistake is one error instead of a replica probed on the wrong port
-until its initial delay runs out.
+Ports: each replica gets a free 127.0.0.1 port in `PORT`, unless its spec has a
+fixed port (`fixedport.py`: the run command spells out the spec's port and does not
+use `$PORT`); that replica is run with `PORT` set to the fixed port.
 
 Per version, the task's `setup` runs once (`bash -c`, in `workdir`, logged to
 `{state_dir}/{service}/setup-v{version}.log`; a marker file keyed by the spec's
@@ -47,24 +40,42 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from controlplane import processes
-from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
+from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
+from controlplane.backends.fixedport import PortConflict, bindable, check_fixed_port, fixed_port
+from controlplane.backends.localproc import POLL, describe_status, handle_pid, recorded_handles
 from controlplane.models import Handle, InvalidServiceName, check_service_name
-from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
-from controlplane.statedir import FILE_MODE, open_private_append, private_dir, write_private
+from controlplane.spec import ServiceSpec
+from controlplane.statedir import (
+    FILE_MODE,
+    StateDir,
+    handle_file_of,
+    open_private_append,
+    private_dir,
+    write_private,
+)
+
+# Re-exported: the fixed-port rule and the handle files belong to this backend.
+__all__ = [
+    "HOST_ENV_NAMES",
+    "HOST_ENV_PREFIXES",
+    "LocalBackend",
+    "PortConflict",
+    "check_fixed_port",
+    "fixed_port",
+    "recorded_handles",
+    "replica_host_env",
+]
 
 log = logging.getLogger("sluice.backend.local")
 
 HOST = "127.0.0.1"
-_POLL = 0.05  # how often terminate() looks whether the process group is gone
 # Runs the task in its workdir; `exec` keeps the pid, so pid == process group id.
 _LAUNCHER = 'cd -- "$0" || exit 97; exec bash -c "$1"'
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -90,52 +101,6 @@ def replica_host_env(host: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-_USES_PORT = re.compile(r"\$\{?PORT\b")
-
-
-class PortConflict(BackendError):
-    """Local replicas of a spec would need the same fixed port at once."""
-
-
-def fixed_port(spec: ServiceSpec) -> int | None:
-    """The port a local replica of `spec` listens on whatever sluice says: the spec's
-    port when its run command names it (`--port 8080`, `0.0.0.0:8080`, `--port $P` with
-    `envs: {P: 8080}`) and does not use `$PORT`; None when each replica gets a free
-    port."""
-    port = spec.replica_port
-    if port is None or not spec.run or _USES_PORT.search(spec.run):
-        return None
-    run = fill_in_env_vars(spec.run, {**spec.envs, **spec.secrets})
-    return port if re.search(rf"(?<![\w.]){port}(?![\w.])", run) else None
-
-
-def check_fixed_port(spec: ServiceSpec, previous: ServiceSpec | None = None) -> None:
-    """Raise PortConflict when local replicas of `spec` could need its fixed port twice at
-    once: more than one replica, or (`previous`: the version it updates) a new replica
-    started while the old one, on the same fixed port, still runs."""
-    port = fixed_port(spec)
-    if port is None:
-        return
-    why = (
-        f"service.ports: the replicas listen on the fixed port {port} (the run command "
-        "does not use $PORT), so only one local replica at a time can serve"
-    )
-    fix = "listen on $PORT instead (sluice sets it for each replica)"
-    scaling = spec.service.scaling
-    most = spec.max_replicas + scaling.num_overprovision + scaling.base_ondemand_fallback_replicas
-    if most > 1 or scaling.dynamic_ondemand_fallback:
-        raise PortConflict(f"{why}, but this spec runs up to {most}; {fix}, or run one replica")
-    if (
-        previous is not None
-        and fixed_port(previous) == port
-        and not is_count_only_change(previous, spec)
-    ):
-        raise PortConflict(
-            f"{why}: the new version's replica cannot start while the old one holds the "
-            f"port; {fix}, or take the service down and up again"
-        )
-
-
 class LocalBackend:
     """Replicas as local process groups; see the module docstring."""
 
@@ -153,7 +118,7 @@ class LocalBackend:
         """`base_env`: the host environment whose allow-listed variables replicas get
         (default: this process's, read now); `base_dir`: what a relative `workdir` is
         relative to (default: the cwd)."""
-        self._state_dir = state_dir
+        self._layout = StateDir(state_dir)
         self._base_env = replica_host_env(os.environ if base_env is None else base_env)
         self._base_dir = base_dir if base_dir is not None else Path.cwd()
         self._term_timeout = term_timeout
@@ -185,7 +150,7 @@ class LocalBackend:
         """Run setup (once per version), then spawn `run`. Raises LaunchFailed."""
         if not spec.run:
             raise LaunchFailed("the spec has no `run` command")
-        directory = self._service_dir(service)
+        self._service_dir(service)
         workdir = self._workdir(spec)
         env = self._env(spec)
         if spec.setup:
@@ -193,11 +158,11 @@ class LocalBackend:
         port = fixed_port(spec)
         if port is None:
             port = processes.free_port(HOST)
-        elif not _bindable(port):
+        elif not bindable(port):
             raise TaskFailed(
                 f"port {port} (service.ports; the run command does not use $PORT) is in use"
             )
-        log_path = directory / f"replica-{replica_id}.log"
+        log_path = self._layout.replica_log(service, replica_id)
         env.update(
             PORT=str(port),
             SLUICE_REPLICA_ID=str(replica_id),
@@ -231,19 +196,19 @@ class LocalBackend:
 
     def exited(self, handle: Handle) -> str | None:
         """None while the replica's process runs; otherwise how it ended."""
-        pid = _pid(handle)
+        pid = handle_pid(handle)
         if pid is None:
             return "no process recorded"
         self._reap(pid)
         if pid in self._exit_codes:
-            return _describe_status(self._exit_codes[pid])
+            return describe_status(self._exit_codes[pid])
         if not processes.running(pid, handle.get("start_time")):
             return f"process {pid} is gone"
         return None
 
     async def terminate(self, handle: Handle) -> None:
         """SIGTERM the process group, SIGKILL it after `term_timeout`; remove the handle file."""
-        pid = _pid(handle)
+        pid = handle_pid(handle)
         if pid is not None:
             self._reap(pid)  # our own exited child: its pid is free, not a stranger's
         if pid is not None and not processes.owns_group(pid, handle.get("start_time")):
@@ -256,19 +221,19 @@ class LocalBackend:
             processes.signal_group(pid, signal.SIGTERM)
             deadline = time.monotonic() + self._term_timeout
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
+                await asyncio.sleep(POLL)  # nothing to await: the process may not be ours
         if pid is not None and processes.owns_group(pid, handle.get("start_time")):
             # Stragglers the leader left behind, or a leader that ignored SIGTERM.
             processes.signal_group(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
             while self.exited(handle) is None and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(_POLL)  # nothing to await: the process may not be ours
+                await asyncio.sleep(POLL)  # nothing to await: the process may not be ours
         if pid is not None:
             self._exit_codes.pop(pid, None)  # gone for good: `exited` still says so (/proc)
         log_path = handle.get("log")
         if isinstance(log_path, str):
             with contextlib.suppress(OSError):
-                Path(log_path).with_suffix(".json").unlink()
+                handle_file_of(Path(log_path)).unlink()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -277,10 +242,10 @@ class LocalBackend:
             check_service_name(service)
         except InvalidServiceName as exc:
             raise LaunchFailed(str(exc)) from exc
-        return private_dir(self._state_dir / service)
+        return private_dir(self._layout.service_dir(service))
 
     def _handle_path(self, service: str, replica_id: int) -> Path:
-        return self._state_dir / check_service_name(service) / f"replica-{replica_id}.json"
+        return self._layout.replica_handle(check_service_name(service), replica_id)
 
     def _workdir(self, spec: ServiceSpec) -> Path:
         workdir = self._base_dir / spec.workdir if spec.workdir else self._base_dir
@@ -325,7 +290,8 @@ class LocalBackend:
         self, service: str, version: int, spec: ServiceSpec, workdir: Path, env: dict[str, str]
     ) -> None:
         key = _task_digest(spec, workdir)
-        marker = self._service_dir(service) / f"setup-v{version}-{key}.done"
+        self._service_dir(service)
+        marker = self._layout.setup_marker(service, version, key)
         if marker.exists():
             return
         task = self._setups.get(marker.name)
@@ -338,7 +304,8 @@ class LocalBackend:
     async def _run_setup(
         self, service: str, version: int, spec: ServiceSpec, workdir: Path, env: dict[str, str]
     ) -> None:
-        log_path = self._service_dir(service) / f"setup-v{version}.log"
+        self._service_dir(service)
+        log_path = self._layout.setup_log(service, version)
         assert spec.setup is not None
         with os.fdopen(open_private_append(log_path), "ab") as out:
             proc = await asyncio.create_subprocess_exec(
@@ -347,10 +314,10 @@ class LocalBackend:
                 start_new_session=True,
             )  # fmt: skip
         # Like a replica's handle file: lets `sluice run` stop a setup whose controller died.
-        handle_path = log_path.with_suffix(".json")
-        handle_path.write_text(json.dumps(
+        handle_path = self._layout.setup_handle(service, version)
+        write_private(handle_path, json.dumps(
             {"pid": proc.pid, "start_time": processes.start_time(proc.pid)}
-        ))  # fmt: skip
+        ).encode())  # fmt: skip
         try:
             code = await proc.wait()
         except asyncio.CancelledError:
@@ -363,46 +330,6 @@ class LocalBackend:
         if code != 0:
             raise TaskFailed(f"setup of version {version} exited with code {code} "
                                f"(see {log_path})")  # fmt: skip
-
-
-def _bindable(port: int) -> bool:
-    """True when nothing listens on `port` (any IPv4 address) right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-        return True
-
-
-def recorded_handles(state_dir: Path, service: str) -> list[Handle]:
-    """The handles of `service`'s replicas and setups that have a handle file (spawned and
-    not yet terminated or finished), for `sluice run`'s last-resort cleanup."""
-    handles: list[Handle] = []
-    directory = state_dir / service
-    for path in sorted([*directory.glob("replica-*.json"), *directory.glob("setup-v*.json")]):
-        with contextlib.suppress(OSError, ValueError):
-            handle = json.loads(path.read_text())
-            if isinstance(handle, dict):
-                handles.append(handle)
-    return handles
-
-
-def _pid(handle: Handle) -> int | None:
-    pid = handle.get("pid")
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
-
-
-def _describe_status(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = str(sig)
-        return f"killed by {name}"
-    return f"exited with code {os.waitstatus_to_exitcode(status)}"
 
 
 def _task_digest(spec: ServiceSpec, workdir: Path) -> str:

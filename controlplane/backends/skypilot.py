@@ -17,15 +17,11 @@ that fails, times out or is cancelled cancels its request and asks SkyPilot to
 tear the cluster down, so a half-made cluster never lingers; the error text is
 SkyPilot's, and the controller shows it with FAILED_PROVISION.
 
-Liveness: `exited()` answers from a cache of `sky.status` that a background
-task (owned here, cancelled by `aclose`) refreshes every `refresh_interval`,
-and at once for clusters the controller suspects (`suspect()`: a failed probe;
-a forced cloud refresh, at most every `nonspot_refresh_gap` for on-demand
-clusters). A spot cluster that is gone or not UP is a preemption
-(`preemption()`); `spot_placer: dynamic_fallback` remembers where preemptions
-happened and steers the next spot launches to the task's other `any_of` /
-`ordered` locations (`task_config`). Without such a list SkyPilot's own
-optimizer picks, as in any launch: sluice cannot enumerate locations offline.
+Liveness: `exited()` and `preemption()` answer from the status cache
+(skypilot_status.py, refreshed in the background; `suspect()` hurries it). A spot
+cluster that is gone or not UP is a preemption; `spot_placer: dynamic_fallback`
+remembers where and steers the next spot launches to the task's other `any_of` /
+`ordered` locations (`task_config`); without such a list SkyPilot's optimizer picks.
 
 Termination: `sky.down`, idempotent (a missing cluster is done), retried with
 backoff; it runs in the controller's termination task, never in a step.
@@ -33,16 +29,16 @@ backoff; it runs in the controller's termination task, never in a step.
 Adoption: `recover()` finds the UP cluster of a replica whose launch a dead
 controller left unrecorded; `sweep()` (given every recorded replica id per
 service) tears down clusters of this namespace that no record owns.
+
+Beside it: skypilot_task.py (names, the task, status texts; pure), skypilot_status.py
+(the status cache), skypilot_sdk.py (SkyPilot's SDK behind one adapter).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -59,16 +55,27 @@ from controlplane.backends.skypilot_sdk import (
     SkyPilotClient,
     SkyPilotSdk,
 )
+from controlplane.backends.skypilot_status import ClusterStatus
+from controlplane.backends.skypilot_task import (
+    CLUSTER_NAME_RE,
+    cluster_name,
+    cluster_prefix,
+    infra_text,
+    location_of,
+    parse_cluster,
+    replica_url,
+    resources_text,
+    task_config,
+)
 from controlplane.models import Handle
 from controlplane.spec import ServiceSpec
 
-log = logging.getLogger("sluice.backend.skypilot")
+# Re-exported: the names, the task and the status texts are this backend's.
+__all__ = ["CLUSTER_NAME_RE", "SkyPilotBackend", "SkyPilotConfig", "cluster_name", "cluster_prefix",
+           "infra_text", "parse_cluster", "replica_url", "resources_text", "stream_logs",
+           "task_config"]  # fmt: skip
 
-#: SkyPilot's cluster-name rule (sky.skylet.constants.CLUSTER_NAME_VALID_REGEX).
-CLUSTER_NAME_RE = re.compile(r"[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?")
-_MAX_SLUG = 40  # keeps names short enough to read; SkyPilot shortens them per cloud itself
-_TASK_KEYS = ("name", "run", "setup", "envs", "secrets", "workdir", "resources", "num_nodes",
-              "file_mounts", "config", "volumes")  # fmt: skip
+log = logging.getLogger("sluice.backend.skypilot")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,173 +100,6 @@ class SkyPilotConfig:
     nonspot_refresh_gap: float = 60.0
     submit_timeout: float = 60.0  # cancelling a request / submitting a down on the way out
 
-
-# -- names ---------------------------------------------------------------------------------------
-
-
-def _slug(text: str) -> str:
-    """`text` within the cluster-name alphabet; a hash suffix when anything changed."""
-    slug = re.sub(r"[^a-zA-Z0-9]+", "-", text).strip("-").lower()
-    if slug != text or len(slug) > _MAX_SLUG:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:6]
-        slug = f"{slug[: _MAX_SLUG - 7]}-{digest}".strip("-")
-    return slug
-
-
-def cluster_prefix(namespace: str, service: str) -> str:
-    """Every cluster of `service` starts with this (followed by `-r{id}-v{version}`)."""
-    ns = _slug(namespace) or "sluice"
-    if not ns[0].isalpha():
-        ns = f"s{ns}"
-    return f"{ns}-{_slug(service)}"
-
-
-def cluster_name(namespace: str, service: str, replica_id: int, version: int) -> str:
-    """The cluster of one replica; matches SkyPilot's CLUSTER_NAME_RE."""
-    return f"{cluster_prefix(namespace, service)}-r{replica_id}-v{version}"
-
-
-def parse_cluster(prefix: str, name: str) -> tuple[int, int] | None:
-    """(replica id, version) of a cluster named by `cluster_name` with `prefix`, else None."""
-    m = re.fullmatch(rf"{re.escape(prefix)}-r([0-9]+)-v([0-9]+)", name)
-    return (int(m[1]), int(m[2])) if m else None
-
-
-def replica_url(endpoint: str) -> str:
-    """The replica URL from a SkyPilot endpoint: `host:port` gets `http://`; a URL (a
-    Kubernetes ingress endpoint with its path prefix) is kept as it is."""
-    endpoint = endpoint.strip()
-    if re.match(r"^https?://", endpoint):
-        return endpoint.rstrip("/")
-    return f"http://{endpoint}".rstrip("/")
-
-
-# -- the task ------------------------------------------------------------------------------------
-
-
-def location_of(entry: Mapping[str, Any]) -> tuple[str, ...]:
-    """(cloud, region, zone) of a resources entry or handle, as far as it says, lowercase."""
-    infra = entry.get("infra")
-    if isinstance(infra, str) and infra:
-        parts = [p for p in infra.split("/") if p]
-        if parts and parts[0].lower() in ("k8s", "kubernetes"):
-            return ("kubernetes", *parts[1:2])
-        return tuple(p.lower() for p in parts[:3])
-    out: list[str] = []
-    for part in (entry.get(k) for k in ("cloud", "region", "zone")):
-        if not part:
-            break
-        out.append(str(part).lower())
-    return tuple(out)
-
-
-def _covers(entry: tuple[str, ...], place: tuple[str, ...]) -> bool:
-    """True when a resources entry for `entry` could land in `place` (a preempted spot)."""
-    return bool(entry) and place[: len(entry)] == entry
-
-
-def task_config(
-    spec: ServiceSpec,
-    *,
-    replica_id: int,
-    port: int,
-    on_demand: bool = False,
-    base_dir: Path | None = None,
-    avoid: Collection[tuple[str, ...]] = (),
-) -> dict[str, Any]:
-    """The SkyPilot task (YAML mapping) for one replica of `spec`; see the module docstring.
-
-    `avoid`: locations where spot replicas were preempted; entries of
-    `resources.ordered` there move to the end, entries of `resources.any_of` there
-    are left out (nothing changes when every entry was preempted somewhere: Sky
-    Serve's placer then starts over too).
-    """
-    raw: dict[str, Any] = {
-        k: v for k, v in _plain(spec).items() if k in _TASK_KEYS and v not in (None, {}, [])
-    }
-    if raw.get("num_nodes") == 1:
-        del raw["num_nodes"]
-    resources: dict[str, Any] = {k: v for k, v in raw.get("resources", {}).items()
-                                 if v is not None and k != "use_spot"}  # fmt: skip
-    if spec.resources.use_spot:
-        resources["use_spot"] = not on_demand
-    ports = [str(p) for p in _as_list(resources.get("ports"))]
-    if not any(_port_in(port, p) for p in ports):
-        ports.insert(0, str(port))
-    resources["ports"] = ports if len(ports) > 1 else int(ports[0]) if ports[0].isdigit() else ports
-    for key in ("any_of", "ordered"):
-        entries = resources.get(key)
-        if not entries:
-            continue
-        entries = [dict(e) for e in entries]
-        if on_demand:
-            for entry in entries:
-                if "use_spot" in entry:
-                    entry["use_spot"] = False
-        if avoid:
-            fresh = [e for e in entries if not any(_covers(location_of(e), a) for a in avoid)]
-            stale = [e for e in entries if e not in fresh]
-            if fresh and stale:
-                # `ordered`: the fresh locations first. `any_of` has no order, and SkyPilot
-                # refuses `ordered` beside several accelerators: leave the stale ones out.
-                entries = fresh + stale if key == "ordered" else fresh
-        resources[key] = entries
-    raw["resources"] = resources
-    if spec.workdir is not None and base_dir is not None:
-        raw["workdir"] = str(base_dir / spec.workdir)
-    envs = dict(spec.envs)
-    envs.setdefault("PORT", str(port))
-    envs["SLUICE_REPLICA_ID"] = str(replica_id)
-    envs["SKYPILOT_SERVE_REPLICA_ID"] = str(replica_id)
-    raw["envs"] = envs
-    return raw
-
-
-def _plain(spec: ServiceSpec) -> dict[str, Any]:
-    import msgspec
-
-    data: dict[str, Any] = msgspec.to_builtins(spec)
-    data.pop("service", None)
-    return copy.deepcopy(data)
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
-
-
-def _port_in(port: int, spec: str) -> bool:
-    lo, sep, hi = spec.partition("-")
-    try:
-        return int(lo) <= port <= int(hi if sep else lo)
-    except ValueError:
-        return False
-
-
-# -- what `sluice status` shows -----------------------------------------------------------------
-
-
-def infra_text(handle: Handle) -> str | None:
-    """`AWS (us-east-1, us-east-1a)` from a handle, like Sky Serve's INFRA column."""
-    cloud = handle.get("cloud")
-    if not cloud:
-        return None
-    where = ", ".join(str(handle[k]) for k in ("region", "zone") if handle.get(k))
-    return f"{cloud} ({where})" if where else str(cloud)
-
-
-def resources_text(handle: Handle) -> str | None:
-    """`1x[Spot](g6.xlarge, L4:1) $0.40/h` from a handle, like Sky Serve's RESOURCES column."""
-    if not handle.get("cloud") and not handle.get("resources"):
-        return None
-    parts = [str(handle[k]) for k in ("instance_type", "accelerators") if handle.get(k)]
-    spot = "[Spot]" if handle.get("spot") else ""
-    text = f"1x{spot}({', '.join(parts)})" if parts else str(handle.get("resources") or "-")
-    price = handle.get("price")
-    if isinstance(price, int | float) and not isinstance(price, bool):
-        text += f" ${price:.2f}/h"
-    return text
 
 
 async def stream_logs(sdk: SkyPilotSdk, handle: Handle, *, follow: bool, out: TextIO) -> int:
@@ -291,17 +131,15 @@ class SkyPilotBackend:
         self._make_sdk = sdk
         self._sdk: SkyPilotSdk | None = None
         self._clock = clock
-        self._wake: Callable[[], None] | None = None
-        self._clusters: dict[str, ClusterInfo] = {}  # this namespace's clusters, as last listed
-        self._endpoints: dict[str, dict[int, str]] = {}
-        self._listed_at: float | None = None  # when the listing in `_clusters` began
-        self._suspects: set[str] = set()
-        self._suspected_at: dict[str, float] = {}
-        self._launching: set[str] = set()
+        self._status = ClusterStatus(
+            self._config.namespace,
+            clock=clock,
+            refresh_interval=self._config.refresh_interval,
+            refresh_timeout=self._config.refresh_timeout,
+            nonspot_refresh_gap=self._config.nonspot_refresh_gap,
+        )
         self._downs: dict[str, asyncio.Task[None]] = {}
         self._preempted: dict[str, set[tuple[str, ...]]] = {}  # service -> locations
-        self._kick = asyncio.Event()
-        self._refresher: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -313,7 +151,7 @@ class SkyPilotBackend:
 
     def watch(self, wake: Callable[[], None]) -> None:
         """Call `wake` whenever a status refresh changed what `exited`/`preemption` say."""
-        self._wake = wake
+        self._status.watch(wake)
 
     async def start(self) -> None:
         """Make the SDK adapter (SkyPilotMissing when SkyPilot is not installed), list the
@@ -321,22 +159,16 @@ class SkyPilotBackend:
         if self._sdk is not None:
             return
         self._sdk = self._make_sdk()
-        try:
-            await self._refresh()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("skypilot: listing clusters: %s", exc)
-        self._refresher = asyncio.create_task(self._refresh_loop(), name="skypilot status")
+        await self._status.start(self._sdk)
 
     async def aclose(self) -> None:
         """Stop the refresher and background teardowns (SkyPilot finishes those it accepted)."""
-        tasks = [t for t in (self._refresher, *self._downs.values()) if t is not None]
+        refresher = self._status.stop()
+        tasks = [t for t in (refresher, *self._downs.values()) if t is not None]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
-        self._refresher = None
         self._downs.clear()
         if self._sdk is not None:
             await self._sdk.aclose()
@@ -354,19 +186,44 @@ class SkyPilotBackend:
                 "the skypilot backend needs the replica's port: set service.ports "
                 "(or a single resources.ports)"
             )
-        cfg = self._config
-        name = cluster_name(cfg.namespace, service, replica_id, version)
+        name = cluster_name(self._config.namespace, service, replica_id, version)
         on_demand = spec.resources.use_spot and not spot
+        task = self._task(service, replica_id, spec, port=port, on_demand=on_demand)
+        request_id, info, endpoints = await self._bring_up(name, task)
+        endpoint = endpoints.get(port)
+        if endpoint is None:
+            await self._abandon(name, None)
+            raise LaunchFailed(f"cluster {name} exposes no endpoint for port {port}")
+        spot_now = info.spot if info.spot is not None else spec.resources.use_spot and not on_demand
+        handle = self._handle(name, service, info, request_id=request_id, port=port,
+                              spot=bool(spot_now))  # fmt: skip
+        self._status.record(name, info, endpoints)
+        log.info("service %s: replica %d (v%d) on cluster %s (%s)", service, replica_id, version,
+                 name, infra_text(handle) or "unknown infra")  # fmt: skip
+        return Launched(url=replica_url(endpoint), handle=handle)
+
+    def _task(
+        self, service: str, replica_id: int, spec: ServiceSpec, *, port: int, on_demand: bool
+    ) -> dict[str, Any]:
+        """The replica's SkyPilot task, steered away from preempted places (the placer)."""
         placer = spec.service.scaling.spot_placer == "dynamic_fallback"
         avoid = self._preempted.get(service, set()) if placer and not on_demand else set()
-        task = task_config(spec, replica_id=replica_id, port=port, on_demand=on_demand,
-                           base_dir=cfg.base_dir, avoid=avoid)  # fmt: skip
-        self._launching.add(name)
+        return task_config(spec, replica_id=replica_id, port=port, on_demand=on_demand,
+                           base_dir=self._config.base_dir, avoid=avoid)  # fmt: skip
+
+    async def _bring_up(
+        self, name: str, task: Mapping[str, Any]
+    ) -> tuple[str, ClusterInfo, dict[int, str]]:
+        """Launch (with retries) and describe cluster `name`, within `launch_timeout`; any
+        failure or cancellation tears it down. (request id, cluster, endpoints)."""
+        cfg = self._config
+        self._status.launching.add(name)
         request_id: str | None = None
         try:
             async with asyncio.timeout(cfg.launch_timeout):
                 request_id = await self._launch_with_retries(name, task)
                 info, endpoints = await self._describe(name)
+                return request_id, info, endpoints
         except TimeoutError:
             await self._abandon(name, request_id)
             raise LaunchFailed(
@@ -383,32 +240,20 @@ class SkyPilotBackend:
             await self._abandon(name, request_id)
             raise
         finally:
-            self._launching.discard(name)
-        endpoint = endpoints.get(port)
-        if endpoint is None:
-            await self._abandon(name, None)
-            raise LaunchFailed(f"cluster {name} exposes no endpoint for port {port}")
-        handle: Handle = {
-            "cluster": name,
-            "service": service,
-            "request_id": request_id,
-            "port": port,
-            "launched": self._clock(),
-            "spot": bool(info.spot) if info.spot is not None else (not on_demand
-                                                                   and spec.resources.use_spot),
-            "cloud": info.cloud,
-            "region": info.region,
-            "zone": info.zone,
-            "instance_type": info.instance_type,
-            "accelerators": info.accelerators,
-            "price": info.hourly_price,
+            self._status.launching.discard(name)
+
+    def _handle(
+        self, name: str, service: str, info: ClusterInfo, *, request_id: str | None, port: int,
+        spot: bool | None,
+    ) -> Handle:  # fmt: skip
+        """What the replica record keeps of its cluster."""
+        return {
+            "cluster": name, "service": service, "request_id": request_id, "port": port,
+            "launched": self._clock(), "spot": spot, "cloud": info.cloud,
+            "region": info.region, "zone": info.zone, "instance_type": info.instance_type,
+            "accelerators": info.accelerators, "price": info.hourly_price,
             "resources": info.resources,
         }  # fmt: skip
-        self._clusters[name] = info
-        self._endpoints[name] = endpoints
-        log.info("service %s: replica %d (v%d) on cluster %s (%s)", service, replica_id, version,
-                 name, infra_text(handle) or "unknown infra")  # fmt: skip
-        return Launched(url=replica_url(endpoint), handle=handle)
 
     async def _launch_with_retries(self, name: str, task: Mapping[str, Any]) -> str:
         cfg = self._config
@@ -462,25 +307,14 @@ class SkyPilotBackend:
     def recover(self, service: str, replica_id: int) -> Launched | None:
         """The UP cluster of this replica (any version), if the last listing saw one with
         exactly one exposed port."""
-        prefix = cluster_prefix(self._config.namespace, service)
-        for name, info in self._clusters.items():
-            parsed = parse_cluster(prefix, name)
-            if parsed is None or parsed[0] != replica_id or info.status != UP:
-                continue
-            endpoints = self._endpoints.get(name, {})
-            if len(endpoints) != 1:
-                return None
-            ((port, endpoint),) = endpoints.items()
-            handle: Handle = {
-                "cluster": name, "service": service, "request_id": None, "port": port,
-                "launched": self._clock(), "spot": info.spot, "cloud": info.cloud,
-                "region": info.region, "zone": info.zone, "instance_type": info.instance_type,
-                "accelerators": info.accelerators, "price": info.hourly_price,
-                "resources": info.resources,
-            }  # fmt: skip
-            log.info("service %s: adopted cluster %s as replica %d", service, name, replica_id)
-            return Launched(url=replica_url(endpoint), handle=handle)
-        return None
+        found = self._status.adoptable(service, replica_id)
+        if found is None:
+            return None
+        name, info, port, endpoint = found
+        handle = self._handle(name, service, info, request_id=None, port=port,
+                              spot=info.spot)  # fmt: skip
+        log.info("service %s: adopted cluster %s as replica %d", service, name, replica_id)
+        return Launched(url=replica_url(endpoint), handle=handle)
 
     def sweep(self, recorded: Mapping[str, Collection[int]]) -> None:
         """Tear down this namespace's clusters that no replica record owns.
@@ -489,27 +323,7 @@ class SkyPilotBackend:
         in flight included). A cluster of a service not in `recorded` is torn down too.
         Only clusters named by `cluster_name` are touched.
         """
-        if self._listed_at is None:
-            return
-        namespace = re.escape(cluster_prefix(self._config.namespace, ""))
-        ours = re.compile(rf"{namespace}.+-r[0-9]+-v[0-9]+")
-        prefixes = {svc: cluster_prefix(self._config.namespace, svc) for svc in recorded}
-        for name in list(self._clusters):
-            if name in self._launching or name in self._downs:
-                continue
-            owner = next(
-                ((svc, parsed) for svc, p in prefixes.items()
-                 if (parsed := parse_cluster(p, name)) is not None),
-                None,
-            )  # fmt: skip
-            if owner is None:
-                if not ours.fullmatch(name):
-                    continue
-                why = "its service is gone"
-            elif owner[1][0] in recorded[owner[0]]:
-                continue
-            else:
-                why = f"service {owner[0]} has no replica {owner[1][0]}"
+        for name, why in self._status.orphans(recorded, busy=self._downs.keys()):
             log.warning("cluster %s: tearing down (%s)", name, why)
             self._background_down(name)
 
@@ -530,33 +344,17 @@ class SkyPilotBackend:
         """Why the replica's cluster is gone or stopped, per the last listing that began after
         its launch; None while it is UP, or INIT (SkyPilot's "unhealthy": the probes judge
         an on-demand replica then), or not listed since."""
-        reason = self._not_up(handle)
+        reason = self._status.not_up(handle)
         if reason is not None and reason.endswith(f" is {INIT}"):
             return None
         return reason
-
-    def _not_up(self, handle: Handle) -> str | None:
-        name = handle.get("cluster")
-        if not isinstance(name, str):
-            return "no cluster recorded"
-        launched = handle.get("launched")
-        if self._listed_at is None or (
-            isinstance(launched, int | float) and self._listed_at < launched
-        ):
-            return None
-        info = self._clusters.get(name)
-        if info is None:
-            return f"cluster {name} is gone"
-        if info.status != UP:
-            return f"cluster {name} is {info.status}"
-        return None
 
     def preemption(self, handle: Handle) -> str | None:
         """For a spot replica: why it counts as preempted (its cluster is gone or not UP),
         remembering where for `spot_placer: dynamic_fallback`; None otherwise."""
         if not handle.get("spot"):
             return None
-        reason = self._not_up(handle)  # Sky Serve: a spot cluster not UP was preempted
+        reason = self._status.not_up(handle)  # Sky Serve: a spot cluster not UP was preempted
         if reason is not None:
             service = handle.get("service")
             place = location_of(handle)
@@ -571,17 +369,7 @@ class SkyPilotBackend:
     def suspect(self, handle: Handle) -> None:
         """A probe of this replica failed: refresh its cluster's status from the cloud now
         (spot), or at most every `nonspot_refresh_gap` (on-demand)."""
-        name = handle.get("cluster")
-        if not isinstance(name, str):
-            return
-        now = self._clock()
-        gap = 0.0 if handle.get("spot") else self._config.nonspot_refresh_gap
-        last = self._suspected_at.get(name)
-        if last is not None and now - last < gap:
-            return
-        self._suspected_at[name] = now
-        self._suspects.add(name)
-        self._kick.set()
+        self._status.suspect(handle)
 
     # -- termination -------------------------------------------------------------------------
 
@@ -607,58 +395,6 @@ class SkyPilotBackend:
                 if attempt + 1 < cfg.down_retries:
                     await asyncio.sleep(cfg.down_backoff * 2**attempt)
                 continue
-            self._clusters.pop(name, None)
-            self._endpoints.pop(name, None)
-            self._suspected_at.pop(name, None)
+            self._status.forget(name)
             return
         raise BackendError(f"sky.down of cluster {name} failed {cfg.down_retries} times: {last}")
-
-    # -- the status cache --------------------------------------------------------------------
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._config.refresh_interval):
-                    await self._kick.wait()
-            self._kick.clear()
-            try:
-                async with asyncio.timeout(self._config.refresh_timeout):
-                    await self._refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("skypilot: refreshing cluster status: %s", exc or "timeout")
-
-    async def _refresh(self) -> None:
-        began = self._clock()
-        suspects, self._suspects = self._suspects, set()
-        prefix = cluster_prefix(self._config.namespace, "")
-        listed = {c.name: c for c in await self.sdk.status() if c.name.startswith(prefix)}
-        fresh: dict[str, ClusterInfo] | None = None
-        if suspects:
-            try:
-                forced = await self.sdk.status(sorted(suspects), refresh=True)
-                fresh = {c.name: c for c in forced}
-            except SdkError as exc:  # the listing above still counts
-                log.warning("skypilot: refreshing %s: %s", ", ".join(sorted(suspects)), exc)
-        if fresh is not None:
-            for name in suspects:
-                if name in fresh:
-                    listed[name] = fresh[name]
-                else:
-                    listed.pop(name, None)
-        for name, info in listed.items():
-            if info.status == UP and name not in self._endpoints:
-                with contextlib.suppress(SdkError):
-                    self._endpoints[name] = await self.sdk.endpoints(name)
-        # Launches that finished meanwhile are not in this listing: keep what they recorded.
-        for name in self._launching:
-            if name in self._clusters and name not in listed:
-                listed[name] = self._clusters[name]
-        changed = listed != self._clusters
-        self._clusters = listed
-        for name in [n for n in self._endpoints if n not in listed]:
-            del self._endpoints[name]
-        self._listed_at = began
-        if changed and self._wake is not None:
-            self._wake()

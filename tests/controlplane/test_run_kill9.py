@@ -133,6 +133,9 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.05)
+                setup_handle = state / "k9" / "setup-v1.json"
+                if setup_handle.exists():  # private like every state file
+                    assert setup_handle.stat().st_mode & 0o777 == 0o600
             pids = json.loads((state / "run.json").read_text())["pids"]
             started = {role: (pid, processes.start_time(pid)) for role, pid in pids.items()}
             started["run"] = (run.pid, processes.start_time(run.pid))

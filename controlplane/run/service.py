@@ -1,69 +1,38 @@
-"""`sluice run FILE`: one service and everything it needs, in the foreground.
-
-`ServiceRun.run()` starts, in order:
-
-1. a private redis-server (`controlplane.redisserver.EmbeddedRedis`, state in
-   `{state_dir}/redis`) unless a Redis URL is given;
-2. the controller, `python -m controlplane.cli controller ...`, logging to
-   `{state_dir}/controller.log`;
-3. the proxy, `python -m proxy.cli --redis URL --service NAME ...`, logging to
-   `{state_dir}/{name}/proxy.log`;
-4. `ops.up` of the service; the controller launches the replicas;
-
-then shows them coming up (a table redrawn in place on a terminal, one line per
-change otherwise) until SIGINT, SIGTERM or SIGHUP. Shutdown, in order: `ops.down`;
-wait (at most `down_timeout`) for the controller to terminate the replicas and
-unregister the service; stop the proxy, then the controller (SIGTERM, SIGKILL
-after `stop_timeout`); kill any replica process group still alive (a controller
-that missed the deadline, or died; handles from Redis and from the local
-backend's handle files, identified by pid and start time); stop redis. A
-second signal skips the waiting. Nothing is left running.
-
-Children run in their own sessions, so a Ctrl-C on the terminal reaches only
-this process, which then stops them in the order above; each also gets SIGTERM
-if this process dies (Linux PR_SET_PDEATHSIG).
-
-`{state_dir}/run.json` (a `RunInfo`) says where this run's Redis is and which
-pids it started; the ops commands read it to find Redis when no `--redis` is
-given. One `sluice run` per state dir.
-
-Secrets: the private redis-server gets a random password (and listens on
-127.0.0.1 only). The password is kept in `{state_dir}/redis/password` (0600, in
-a 0700 directory; so is a password given in `--redis`); run.json holds the URL
-without it and the path of that file. The controller and the proxy get the URL
-in their environment (SLUICE_REDIS_URL), never in argv; their logs are 0600.
-"""
+"""`ServiceRun`: one `sluice run`, from the first child started to the last one stopped
+(the order is in the package docstring)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
-
-import msgspec
+from typing import TextIO
 
 from controlplane import ops, processes
-from controlplane.backends.local import check_fixed_port, fixed_port, recorded_handles
+from controlplane.backends.local import check_fixed_port, fixed_port
+from controlplane.backends.localproc import recorded_handles, stop_groups
 from controlplane.display import LiveView
 from controlplane.models import Handle, ReplicaRecord, check_service_name
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.spec import ServiceSpec
+from controlplane.run.children import Children
+from controlplane.run.config import (
+    RunConfig,
+    RunError,
+    RunInfo,
+    read_run_info,
+    tls_files,
+    write_run_info,
+)
 from controlplane.statedir import (
-    open_private_append,
+    StateDir,
     private_dir,
-    read_secret,
     redact_url,
     split_password,
-    with_password,
     write_private,
 )
 from controlplane.states import ServiceStatus
@@ -74,83 +43,8 @@ from controlplane.store import (
     StoreError,
     StoreUnavailable,
 )
-from proxy.wire.errors import SluiceError
 
-log = logging.getLogger("sluice.run")
-
-_POLL = 0.05  # how often a stopping child is checked
-
-
-class RunError(SluiceError):
-    """`sluice run` could not start, or a process it started died under it."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """Everything `sluice run` needs; built by the CLI."""
-
-    spec: ServiceSpec
-    name: str
-    state_dir: Path
-    redis_url: str | None = None  # None: start a private redis-server
-    redis_ca_file: str | None = None  # the CA of a rediss:// server (None: the system's)
-    prefix: str = "sluice"
-    host: str = "0.0.0.0"  # the proxy's listen address
-    port: int = 8080  # the proxy's port; 0 picks a free one
-    admin_port: int = 0  # the proxy's admin port; 0 picks a free one
-    drain_seconds: float = 5.0  # the controller's drain delay
-    down_timeout: float = 60.0  # how long shutdown waits for the replicas to be terminated
-    stop_timeout: float = 10.0  # SIGTERM -> SIGKILL, per process
-    startup_timeout: float = 30.0  # for the proxy to listen
-    refresh: float = 0.5  # seconds between status refreshes
-    log_level: str = "INFO"
-    backend: str = "local"  # what the controller launches replicas with: local | skypilot
-
-
-class RunInfo(msgspec.Struct, kw_only=True):
-    """`{state_dir}/run.json`: a running `sluice run`, for the other commands and tests."""
-
-    pid: int
-    service: str
-    redis_url: str  # without its password
-    prefix: str
-    endpoint: str
-    started_at: float
-    pids: dict[str, int] = {}  # redis, controller, proxy
-    redis_password_file: str | None = None  # 0600 file holding the password, if any
-    redis_ca_file: str | None = None
-
-
-def run_info_path(state_dir: Path) -> Path:
-    return state_dir / "run.json"
-
-
-def password_path(state_dir: Path) -> Path:
-    return state_dir / "redis" / "password"
-
-
-def run_redis_url(info: RunInfo) -> str:
-    """The Redis URL of a `sluice run`, with the password from its 0600 file.
-    Raises RunError when that file cannot be read."""
-    if info.redis_password_file is None:
-        return info.redis_url
-    try:
-        password = read_secret(Path(info.redis_password_file))
-    except OSError as exc:
-        raise RunError(
-            f"cannot read the Redis password of the `sluice run` (pid {info.pid}) from "
-            f"{info.redis_password_file}: {exc.strerror or exc}"
-        ) from exc
-    return with_password(info.redis_url, password)
-
-
-def read_run_info(state_dir: Path) -> RunInfo | None:
-    """The RunInfo of a `sluice run` alive on `state_dir`, or None."""
-    try:
-        info = msgspec.json.decode(run_info_path(state_dir).read_bytes(), type=RunInfo)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return info if processes.running(info.pid) else None
+_POLL = 0.05  # how often a starting proxy is looked at
 
 
 class ServiceRun:
@@ -160,9 +54,9 @@ class ServiceRun:
         self._config = config
         self._out = out if out is not None else sys.stdout
         self._view = LiveView(self._out, tty=self._out.isatty())
+        self._layout = StateDir(config.state_dir)
         self._redis: EmbeddedRedis | None = None
-        self._children: dict[str, subprocess.Popen[bytes]] = {}
-        self._logs: list[IO[bytes]] = []
+        self._children = Children(config, self._on_spawn)
         self._info: RunInfo | None = None
         self._handles: dict[int, Handle] = {}  # replica id -> handle, last seen
         self._stop = asyncio.Event()
@@ -201,14 +95,13 @@ class ServiceRun:
             # Normally already done inside the loop; this is the net for an exception
             # that escaped it. Blocking is fine: nothing else runs any more.
             for role in ("proxy", "controller"):
-                self._stop_child_sync(role)
+                self._children.stop_sync(role)
             self._kill_replicas()
             self._stop_redis()
-            for fh in self._logs:
-                fh.close()
+            self._children.close_logs()
             if self._info is not None:
                 with contextlib.suppress(OSError):
-                    run_info_path(config.state_dir).unlink()
+                    self._layout.run_info.unlink()
                 if self._info.redis_password_file is not None:
                     with contextlib.suppress(OSError):  # no copy of a password outlives the run
                         Path(self._info.redis_password_file).unlink()
@@ -232,8 +125,8 @@ class ServiceRun:
             endpoint = f"{scheme}://{_display_host(config.host)}:{port}"
             bare_url, password = split_password(url)
             if password is not None:
-                private_dir(password_path(config.state_dir).parent)
-                write_private(password_path(config.state_dir), password.encode())
+                private_dir(self._layout.redis_password.parent)
+                write_private(self._layout.redis_password, password.encode())
             self._info = RunInfo(
                 pid=os.getpid(),
                 service=config.name,
@@ -244,13 +137,15 @@ class ServiceRun:
                 pids={} if self._redis is None or self._redis.pid is None
                 else {"redis": self._redis.pid},
                 redis_password_file=None if password is None
-                else str(password_path(config.state_dir)),
+                else str(self._layout.redis_password),
                 redis_ca_file=config.redis_ca_file,
             )  # fmt: skip
             self._write_info()
             try:
-                self._spawn_controller(url)
-                self._spawn_proxy(url, port, admin_port)
+                # Our private Redis holds only this service: whatever the controller
+                # leaves running when it exits is ours. (A shared Redis may hold others.)
+                self._children.spawn_controller(url, terminate_on_exit=self._redis is not None)
+                self._children.spawn_proxy(url, port, admin_port)
                 await self._wait_listening(admin_port)
                 if self._stop.is_set():
                     return 0  # interrupted while starting: nothing registered yet
@@ -318,20 +213,14 @@ class ServiceRun:
             if time.monotonic() > deadline:
                 raise RunError(
                     f"the proxy did not listen within {self._config.startup_timeout:g}s "
-                    f"(log: {self._log_path('proxy')})"
+                    f"(log: {self._children.log_path('proxy')})"
                 )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_POLL):
                     await self._stop.wait()
 
     def _check_children(self) -> None:
-        for role, proc in self._children.items():
-            code = proc.poll()
-            if code is not None:
-                raise RunError(
-                    f"the {role} exited with code {code}: {_last_line(self._log_path(role))} "
-                    f"(log: {self._log_path(role)})"
-                )
+        self._children.check()
         if self._redis is not None and not self._redis.running:
             raise RunError("the embedded redis-server exited")
 
@@ -360,7 +249,7 @@ class ServiceRun:
                 # Stop the processes anyway; leftover replicas are killed below.
                 self._view.message(f"sluice: could not take {config.name} down cleanly: {exc}")
         for role in ("proxy", "controller"):
-            await self._stop_child(role)
+            await self._children.stop(role, hurry=self._hurry.is_set(), say=self._view.message)
         with contextlib.suppress(StoreError):  # what a controller that died left recorded
             self._remember_handles(await store.replicas(config.name))
         if self._kill_replicas():
@@ -373,8 +262,7 @@ class ServiceRun:
         it died, `down_timeout` passed, or a second signal came."""
         deadline = time.monotonic() + self._config.down_timeout
         while time.monotonic() < deadline and not self._hurry.is_set():
-            controller = self._children.get("controller")
-            if controller is None or controller.poll() is not None:
+            if not self._children.alive("controller"):
                 return
             if await store.service(self._config.name) is None:
                 return
@@ -390,32 +278,6 @@ class ServiceRun:
                 "stopping them directly"
             )
 
-    async def _stop_child(self, role: str) -> None:
-        proc = self._children.get(role)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        timeout = 0.5 if self._hurry.is_set() else self._config.stop_timeout
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(proc.wait, timeout)
-        if proc.poll() is None:
-            self._view.message(f"sluice: the {role} ignored SIGTERM; killing it")
-            proc.kill()
-            proc.wait()
-
-    def _stop_child_sync(self, role: str) -> None:
-        proc = self._children.get(role)
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self._config.stop_timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("%s pid %d ignored SIGTERM; killing it", role, proc.pid)
-                proc.kill()
-                proc.wait()
-
     def _kill_replicas(self) -> bool:
         """SIGTERM, then SIGKILL, the process group of every local replica still running
         (the handle's pid and start time must match). True if there was any.
@@ -425,16 +287,9 @@ class ServiceRun:
         the record) is found there."""
         handles = [*self._handles.values(), *recorded_handles(self._config.state_dir,
                                                               self._config.name)]  # fmt: skip
-        alive = [h for h in handles if _replica_running(h)]
-        for handle in alive:
-            _signal_group(handle, signal.SIGTERM)
-        deadline = time.monotonic() + self._config.stop_timeout
-        while any(_replica_running(h) for h in alive) and time.monotonic() < deadline:
-            time.sleep(_POLL)
-        for handle in alive:
-            _signal_group(handle, signal.SIGKILL)
+        killed = stop_groups(handles, timeout=self._config.stop_timeout)
         self._handles.clear()
-        return bool(alive)
+        return killed
 
     def _stop_redis(self) -> None:
         if self._redis is not None:
@@ -446,116 +301,25 @@ class ServiceRun:
     def _start_redis(self) -> str:
         # A random password even on 127.0.0.1: any local user could otherwise register
         # a service whose `run:` the controller executes as this user.
-        self._redis = EmbeddedRedis(self._config.state_dir / "redis",
+        self._redis = EmbeddedRedis(self._layout.redis_dir,
                                     password=secrets.token_urlsafe(32))  # fmt: skip
         self._redis.start()
         return self._redis.url
 
-    def _log_path(self, role: str) -> Path:
-        if role == "controller":
-            return self._config.state_dir / "controller.log"
-        return self._config.state_dir / self._config.name / f"{role}.log"
-
-    def _spawn(self, role: str, argv: list[str], url: str) -> None:
-        log_path = self._log_path(role)
-        if log_path.parent != self._config.state_dir:
-            private_dir(log_path.parent)
-        out = os.fdopen(open_private_append(log_path), "ab")
-        self._logs.append(out)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # The URL (with its password) and the CA file go in the environment: argv is
-        # world-readable (ps, /proc/PID/cmdline), the environment is not.
-        env["SLUICE_REDIS_URL"] = url
-        env.pop("SLUICE_REDIS_CA_FILE", None)
-        if self._config.redis_ca_file is not None:
-            env["SLUICE_REDIS_CA_FILE"] = self._config.redis_ca_file
-        # The children import this package: make it importable without an install too.
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        self._children[role] = subprocess.Popen(
-            [sys.executable, *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a terminal Ctrl-C reaches us only; we stop them in order
-            preexec_fn=processes.die_with_parent_hook(),
-        )
+    def _on_spawn(self, role: str, pid: int) -> None:
         if self._info is not None:
-            self._info.pids[role] = self._children[role].pid
+            self._info.pids[role] = pid
             self._write_info()
-
-    def _spawn_controller(self, url: str) -> None:
-        config = self._config
-        argv = ["-m", "controlplane.cli", "controller", "--prefix", config.prefix,
-                "--state-dir", str(config.state_dir),
-                "--drain-seconds", f"{config.drain_seconds:g}",
-                "--log-level", config.log_level, "--backend", config.backend]  # fmt: skip
-        if self._redis is not None:
-            # Our private Redis holds only this service: whatever the controller leaves
-            # running when it exits is ours. (A shared Redis may hold other services.)
-            argv.append("--terminate-on-exit")
-        self._spawn("controller", argv, url)
-
-    def _spawn_proxy(self, url: str, port: int, admin_port: int) -> None:
-        config = self._config
-        service = config.spec.service
-        argv = ["-m", "proxy.cli", "--redis-prefix", config.prefix,
-                "--service", config.name, "--host", config.host, "--port", str(port),
-                "--admin-port", str(admin_port), "--shutdown-grace", f"{config.stop_timeout / 2:g}",
-                "--stream-idle-timeout", f"{service.load_balancer.stream_timeout_seconds:g}",
-                "--log-level", config.log_level]  # fmt: skip
-        tls = tls_files(config.spec)
-        if tls is not None:
-            argv += ["--tls-certfile", str(tls[0]), "--tls-keyfile", str(tls[1])]
-        self._spawn("proxy", argv, url)
 
     def _write_info(self) -> None:
         assert self._info is not None
-        write_private(run_info_path(self._config.state_dir), msgspec.json.encode(self._info))
-
-
-def tls_files(spec: ServiceSpec) -> tuple[Path, Path] | None:
-    """The spec's `service.tls` (certfile, keyfile) as absolute paths, `~` expanded (Sky
-    Serve expands them too: serve_utils.TLSCredential); None without TLS. Raises RunError
-    naming the field when a file is missing."""
-    tls = spec.service.tls
-    if tls is None:
-        return None
-    paths = []
-    for field, given in (("certfile", tls.certfile), ("keyfile", tls.keyfile)):
-        path = Path(given).expanduser().absolute()
-        if not path.is_file():
-            raise RunError(f"service.tls.{field}: no file at {path} (given as {given!r})")
-        paths.append(path)
-    return paths[0], paths[1]
+        write_run_info(self._config.state_dir, self._info)
 
 
 def run_service(config: RunConfig, *, out: TextIO | None = None) -> int:
     """Run `config`'s service in the foreground; see the module docstring."""
     return ServiceRun(config, out=out).run()
 
-
-# -- process helpers -------------------------------------------------------------------------
-
-
-def _replica_running(handle: Handle) -> bool:
-    """True if the handle's process runs and is the one the backend started."""
-    pid = handle.get("pid")
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    return processes.running(pid, handle.get("start_time"))
-
-
-def _signal_group(handle: Handle, sig: int) -> None:
-    pid = handle.get("pid")
-    if (
-        isinstance(pid, int)
-        and pid > 0
-        and _replica_running(handle)
-        and processes.owns_group(pid, handle.get("start_time"))  # never a stranger's group
-    ):
-        processes.signal_group(pid, sig)  # the local backend's replica: pid == its group
 
 
 def _display_host(host: str) -> str:
@@ -564,13 +328,3 @@ def _display_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
-
-
-def _last_line(path: Path) -> str:
-    try:
-        with path.open("rb") as fh:
-            fh.seek(max(0, path.stat().st_size - 4096))
-            lines = fh.read().decode(errors="replace").strip().splitlines()
-    except OSError:
-        return "no output"
-    return lines[-1].strip() if lines else "no output"
