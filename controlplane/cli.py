@@ -49,7 +49,7 @@ import msgspec
 from controlplane import ops
 from controlplane.controller import ControllerConfig, run_controller
 from controlplane.display import snapshot_text, status_text
-from controlplane.models import Handle, ReplicaRecord, check_service_name
+from controlplane.records import Handle, ReplicaRecord, check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url, run_service
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import redact_url

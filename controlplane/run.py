@@ -54,7 +54,7 @@ import msgspec
 from controlplane import ops, processes
 from controlplane.backends.local import check_fixed_port, fixed_port, recorded_handles
 from controlplane.display import LiveView
-from controlplane.models import Handle, ReplicaRecord, check_service_name
+from controlplane.records import Handle, ReplicaRecord, check_service_name
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import ServiceSpec
 from controlplane.statedir import (

@@ -57,7 +57,7 @@ from pathlib import Path
 
 from controlplane import processes
 from controlplane.backends.base import BackendError, Launched, LaunchFailed, TaskFailed
-from controlplane.models import Handle, InvalidServiceName, check_service_name
+from controlplane.records import Handle, InvalidServiceName, check_service_name
 from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
 from controlplane.statedir import FILE_MODE, open_private_append, private_dir, write_private
 

@@ -59,7 +59,7 @@ from controlplane.backends.skypilot_sdk import (
     SkyPilotClient,
     SkyPilotSdk,
 )
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
 
 log = logging.getLogger("sluice.backend.skypilot")
