@@ -247,11 +247,6 @@ class Store:
         spec_bytes = spec.encode() if isinstance(spec, str) else spec
         return await self._transactions.register(record, spec_bytes)
 
-    async def put_spec(self, name: str, version: int, spec: bytes | str) -> None:
-        """Store the spec JSON of one version (write it before committing that version)."""
-        with redis_errors():
-            await self._redis.set(self.keys.spec(name, version), spec)
-
     async def unregister_service(self, name: str) -> ReadySnapshot:
         """Remove a service: publish a final empty SHUTTING_DOWN snapshot and delete its
         keys, in one MULTI/EXEC. The snapshot and the generation counter stay, so a

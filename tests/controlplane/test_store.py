@@ -270,7 +270,6 @@ async def test_a_commit_that_does_not_change_routing_keeps_the_generation(store:
 async def test_blue_green_switches_in_the_commit_that_reaches_min_replicas(store: Store) -> None:
     record = await registered(store, update_mode=UpdateMode.BLUE_GREEN)
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
-    await store.put_spec("svc", 2, b"{}")
     record = replace(record, version=2, min_replicas={2: 2})
     snap = await store.commit("svc", service_record=record, replica_updates=[replica(3, version=2)])
     assert snap.active_versions == [1] and [r.id for r in snap.replicas] == [1, 2]
