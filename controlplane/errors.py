@@ -1,18 +1,9 @@
-"""The errors of the control plane's Redis layer, and the one boundary where redis-py's
-errors become them (`redis_errors`).
-
-    SluiceError (proxy/wire/errors.py)
-    └── StoreError
-        ├── StoreUnavailable   Redis unreachable or timed out
-        ├── ServiceNotFound    no such service
-        ├── ServiceExists      register_service of a name already taken
-        ├── CommitConflict     too many concurrent writers; the commit gave up
-        ├── LeaseLost          a fenced commit found the leader lease held by another
-        └── RecordInvalid      a record in Redis does not decode
+"""The errors of the control plane's Redis layer (the tree is drawn in `StoreError`),
+and the one boundary where redis-py's errors become them (`redis_errors`).
 
 A module of its own so that both the store (controlplane/store/) and the leader lease
-(controlplane/lease.py) raise and catch them without importing each other.
-Imports only proxy.wire and redis-py.
+(controlplane/lease.py) raise and catch them without importing each other; callers
+import them from `controlplane.store`. Imports only proxy.wire and redis-py.
 """
 
 from __future__ import annotations
@@ -30,13 +21,14 @@ from proxy.wire.errors import SluiceError
 class StoreError(SluiceError):
     """A Redis operation of the store failed.
 
-    StoreError
-    ├── StoreUnavailable   Redis unreachable or timed out
-    ├── ServiceNotFound    no such service
-    ├── ServiceExists      register_service of a name already taken
-    ├── CommitConflict     too many concurrent writers; the commit gave up
-    ├── LeaseLost          a fenced commit found the leader lease held by another
-    └── RecordInvalid      a record in Redis does not decode
+    SluiceError (proxy/wire/errors.py)
+    └── StoreError
+        ├── StoreUnavailable   Redis unreachable or timed out
+        ├── ServiceNotFound    no such service
+        ├── ServiceExists      register_service of a name already taken
+        ├── CommitConflict     too many concurrent writers; the commit gave up
+        ├── LeaseLost          a fenced commit found the leader lease held by another
+        └── RecordInvalid      a record in Redis does not decode
     """
 
 

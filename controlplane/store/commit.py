@@ -264,6 +264,9 @@ class Transactions:
     async def _attempt(
         self, pipe: Any, name: str, plan: _Planner, force: bool, op_id: str
     ) -> ReadySnapshot:
+        """One attempt under WATCH: read; return at once if an earlier attempt of this call
+        was applied; check the fence; plan; compute the snapshot; queue every write in one
+        MULTI and EXEC it (WatchError when another writer got in first)."""
         read = await self._read(name, op_id)
         if read.applied:
             # An earlier attempt's EXEC was applied but its reply was lost.
