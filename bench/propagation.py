@@ -47,7 +47,7 @@ if str(REPO) not in sys.path:  # run as `python bench/propagation.py` without in
 import redis  # noqa: E402
 import uvloop  # noqa: E402
 
-from controlplane.models import ReplicaRecord, ServiceRecord, ServiceStatus  # noqa: E402
+from controlplane.records import ReplicaRecord, ServiceRecord, ServiceStatus  # noqa: E402
 from controlplane.redissentinel import SentinelGroup  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.states import ReplicaStatus  # noqa: E402

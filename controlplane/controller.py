@@ -75,8 +75,8 @@ from controlplane.backends.base import (
 )
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
-from controlplane.models import Handle, ReplicaRecord, ServiceRecord
 from controlplane.prober import Prober, ProbeResult, Transition, apply_exit, apply_probe
+from controlplane.records import Handle, ReplicaRecord, ServiceRecord
 from controlplane.rollout import (
     accelerator_of,
     given_up_by,

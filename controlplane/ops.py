@@ -30,7 +30,7 @@ import msgspec
 from controlplane.autoscaler import Autoscaler
 from controlplane.backends.local import check_fixed_port
 from controlplane.backends.skypilot import infra_text, resources_text
-from controlplane.models import AutoscalerStatus, ReplicaRecord, ServiceRecord, check_service_name
+from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord, check_service_name
 from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
 from controlplane.states import (

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from controlplane.models import ReplicaRecord
+from controlplane.records import ReplicaRecord
 from controlplane.spec import ReadinessProbe
 from controlplane.states import PROBED, EventKind, ReplicaStatus
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from controlplane.models import ReplicaRecord, ServiceRecord, compute_active_versions
+from controlplane.records import ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.spec import ServiceSpec
 from controlplane.states import (
     LIVE,

@@ -29,7 +29,7 @@ from controlplane.autoscaler import (
     Autoscaler,
     Decision,
 )
-from controlplane.models import AutoscalerStatus, ReplicaRecord, ServiceRecord
+from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
 from controlplane.rollout import target_replicas
 from controlplane.spec import ReplicaPolicy, ServiceSpec
 from controlplane.states import LIVE

@@ -70,8 +70,8 @@ if str(REPO) not in sys.path:  # run as a script from a clone, without an instal
 import aiohttp  # noqa: E402
 
 from controlplane import ops  # noqa: E402
-from controlplane.models import UpdateMode  # noqa: E402
 from controlplane.processes import die_with_parent_hook, free_port, running, signal_group  # noqa: E402
+from controlplane.records import UpdateMode  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.spec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402

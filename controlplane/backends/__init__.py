@@ -10,7 +10,7 @@
       skypilot_status the cache of `sky.status` and its refresher
       skypilot_sdk    SkyPilot's SDK behind one adapter (imported lazily)
 
-May import: controlplane.models, controlplane.spec, controlplane.statedir,
+May import: controlplane.records, controlplane.spec, controlplane.statedir,
 controlplane.processes and the proxy's errors; never the store (backends do not
 touch Redis) nor the controller.
 """

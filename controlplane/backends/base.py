@@ -20,7 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
 from proxy.wire.errors import SluiceError
 

@@ -9,7 +9,7 @@ never launched, restarted or killed from here.
 from __future__ import annotations
 
 from controlplane.backends.base import Launched, LaunchFailed
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
 
 

@@ -50,7 +50,7 @@ from controlplane import processes
 from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
 from controlplane.backends.fixedport import PortConflict, bindable, check_fixed_port, fixed_port
 from controlplane.backends.localproc import POLL, describe_status, handle_pid, recorded_handles
-from controlplane.models import Handle, InvalidServiceName, check_service_name
+from controlplane.records import Handle, InvalidServiceName, check_service_name
 from controlplane.spec import ServiceSpec
 from controlplane.statedir import (
     FILE_MODE,

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from controlplane import processes
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.statedir import StateDir
 
 POLL = 0.05  # how often a stopping process group is looked at

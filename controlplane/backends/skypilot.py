@@ -67,7 +67,7 @@ from controlplane.backends.skypilot_task import (
     resources_text,
     task_config,
 )
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
 
 # Re-exported: the names, the task and the status texts are this backend's.

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from controlplane.backends.skypilot_sdk import UP, ClusterInfo, SdkError, SkyPilotSdk
 from controlplane.backends.skypilot_task import cluster_prefix, parse_cluster
-from controlplane.models import Handle
+from controlplane.records import Handle
 
 log = logging.getLogger("sluice.backend.skypilot")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
 
 #: SkyPilot's cluster-name rule (sky.skylet.constants.CLUSTER_NAME_VALID_REGEX).

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import click
 
-from controlplane.models import check_service_name
+from controlplane.records import check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import DEFAULT_STATE_DIR, redact_url

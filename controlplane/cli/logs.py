@@ -25,7 +25,7 @@ from controlplane.cli.common import (
     target_of,
     with_store,
 )
-from controlplane.models import Handle, ReplicaRecord
+from controlplane.records import Handle, ReplicaRecord
 from controlplane.statedir import StateDir
 from controlplane.store import ServiceNotFound, Store
 

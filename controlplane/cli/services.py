@@ -22,7 +22,7 @@ from controlplane.cli.common import (
     with_store,
 )
 from controlplane.display import status_text
-from controlplane.models import ReplicaRecord
+from controlplane.records import ReplicaRecord
 from controlplane.states import UpdateMode
 from controlplane.store import ServiceNotFound, Store
 

@@ -17,7 +17,7 @@ from controlplane import ops, processes
 from controlplane.backends.local import check_fixed_port, fixed_port
 from controlplane.backends.localproc import recorded_handles, stop_groups
 from controlplane.display import LiveView
-from controlplane.models import Handle, ReplicaRecord, check_service_name
+from controlplane.records import Handle, ReplicaRecord, check_service_name
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.run.children import Children
 from controlplane.run.config import (

@@ -4,7 +4,7 @@
     └── SnapshotInvalid  a ReadySnapshot payload failed validation (the set is kept)
 
 The proxy's own errors (proxy/errors.py) and the control plane's
-(controlplane/store, ops, spec ...) derive from SluiceError.
+(controlplane/errors.py, ops, spec ...) derive from SluiceError.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
 from controlplane.display import duration
-from controlplane.models import ReplicaRecord
+from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.wire.snapshot import ReadySnapshot
@@ -560,7 +560,7 @@ def test_duration() -> None:
 async def test_follow_snapshots_yields_each_new_generation(
     store: Store, redis_url: str, redis_prefix: str
 ) -> None:
-    from controlplane.models import ServiceRecord
+    from controlplane.records import ServiceRecord
 
     await store.register_service(ServiceRecord(name="f"), b"{}")
     seen: list[int] = []

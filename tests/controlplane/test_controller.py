@@ -31,8 +31,8 @@ from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.controller import Controller, ControllerConfig, run_controller
-from controlplane.models import ReplicaRecord
 from controlplane.prober import Prober, ProbeResult, apply_exit, apply_probe
+from controlplane.records import ReplicaRecord
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import ServiceExists, ServiceNotFound, Store

@@ -18,7 +18,7 @@ import redis
 
 from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus
 from controlplane.store import LeaseLost, Mutation, Store

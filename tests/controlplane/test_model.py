@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import pytest
@@ -34,13 +34,15 @@ from controlplane import ops
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.prober import ProbeResult
+from controlplane.records import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode
-from controlplane.store import Committed, MutationPlan, R, Store
+from controlplane.store import Committed, MutationPlan, Store
 from proxy.wire.snapshot import ReadySnapshot
+
+R = TypeVar("R")
 
 NAME = "svc"
 DRAIN = 5.0

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from controlplane.cli import cli
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redissentinel import SentinelGroup
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable

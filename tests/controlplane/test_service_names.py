@@ -15,7 +15,7 @@ from controlplane import ops
 from controlplane.backends.base import LaunchFailed
 from controlplane.backends.local import LocalBackend
 from controlplane.cli import cli
-from controlplane.models import InvalidServiceName, check_service_name
+from controlplane.records import InvalidServiceName, check_service_name
 from controlplane.spec import load_spec, parse_spec
 from controlplane.store import Store
 from tests.fixtures_replicas import REPO

@@ -32,7 +32,7 @@ from controlplane.backends.skypilot import (
 )
 from controlplane.backends.skypilot_sdk import SdkError
 from controlplane.controller import Controller, ControllerConfig
-from controlplane.models import ReplicaRecord
+from controlplane.records import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
-from controlplane.models import ReplicaRecord
+from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 

@@ -1,4 +1,4 @@
-"""controlplane.store and controlplane.models against a real redis-server."""
+"""controlplane.store and controlplane.records against a real redis-server."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from controlplane.models import (
+from controlplane.records import (
     ReplicaRecord,
     ServiceRecord,
     ServiceState,
     compute_active_versions,
     compute_snapshot,
-    same_ready_set,
 )
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import (
@@ -30,8 +29,9 @@ from controlplane.store import (
     decode_service_record,
     encode_service_record,
 )
+from controlplane.store.codec import same_ready_set
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import decode_snapshot
+from proxy.wire.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
 from proxy.wire.telemetry import decode_nudge
 
 READY = ReplicaStatus.READY
@@ -52,13 +52,18 @@ async def registered(store: Store, name: str = "svc", **kw: object) -> ServiceRe
     return record
 
 
+def routes_alike(a: ReadySnapshot, b: ReadySnapshot) -> bool:
+    """True when the commit would not publish `b` over a stored `a` (the store's own test)."""
+    return same_ready_set(encode_snapshot(a), encode_snapshot(b), b) is not None
+
+
 def consistent(state: ServiceState) -> bool:
     """The snapshot is what the records beside it say (and the record's active versions)."""
     snap = state.snapshot
     if snap is None or snap.generation != state.generation:
         return False
     expected = compute_snapshot(state.record, state.replicas.values(), 0, 0.0)
-    return same_ready_set(snap, expected) and state.record.active_versions == tuple(
+    return routes_alike(snap, expected) and state.record.active_versions == tuple(
         snap.active_versions
     )
 
@@ -259,13 +264,12 @@ async def test_a_commit_that_does_not_change_routing_keeps_the_generation(store:
     assert await store.generation("svc") == first.generation
     forced = await store.commit("svc", force=True)
     assert forced.generation == first.generation + 1
-    assert same_ready_set(forced, first)
+    assert routes_alike(forced, first)
 
 
 async def test_blue_green_switches_in_the_commit_that_reaches_min_replicas(store: Store) -> None:
     record = await registered(store, update_mode=UpdateMode.BLUE_GREEN)
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
-    await store.put_spec("svc", 2, b"{}")
     record = replace(record, version=2, min_replicas={2: 2})
     snap = await store.commit("svc", service_record=record, replica_updates=[replica(3, version=2)])
     assert snap.active_versions == [1] and [r.id for r in snap.replicas] == [1, 2]
@@ -364,20 +368,29 @@ async def test_generations_strictly_increase_under_concurrent_committers(
 
 
 async def test_commit_gives_up_after_max_attempts(
-    redis_client: aioredis.Redis, redis_prefix: str
+    redis_client: aioredis.Redis, redis_prefix: str, redis_url: str
 ) -> None:
-    store = Store(redis_client, prefix=redis_prefix, max_commit_attempts=1)
+    """Another writer gets in after every run of the plan read the table: after
+    `max_commit_attempts` runs the commit gives up, having written nothing."""
+    store = Store(redis_client, prefix=redis_prefix, max_commit_attempts=2)
     await registered(store)
-    writer = Store(redis_client, prefix=redis_prefix)
-    original = store._attempt
+    other_writer = redis.Redis.from_url(redis_url)
+    runs = 0
 
-    async def interfere(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-        await writer.commit("svc", replica_updates=[replica(7)], force=True)
-        return await original(*args, **kwargs)  # type: ignore[arg-type]
+    def plan(current: ServiceRecord, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
+        nonlocal runs
+        runs += 1
+        other_writer.hset(
+            store.keys.replicas("svc"), "7", msgspec.json.encode(replica(7, failures=runs))
+        )
+        return Mutation(replica_updates=(replica(1),)), None
 
-    store._attempt = interfere  # type: ignore[method-assign]
-    with pytest.raises(CommitConflict):
-        await store.commit("svc", replica_updates=[replica(1)])
+    try:
+        with pytest.raises(CommitConflict):
+            await store.commit_with("svc", plan)
+    finally:
+        other_writer.close()
+    assert runs == 2
     assert set(await store.replicas("svc")) == {7}
 
 
@@ -518,7 +531,7 @@ async def test_prefix_options_reach_the_snapshot_and_a_change_publishes(store: S
         "svc", service_record=replace(current, prefix_options=PrefixOptions(epsilon=1.5)))
     assert changed.generation == first.generation + 1
     assert changed.prefix_options == PrefixOptions(epsilon=1.5)
-    assert not same_ready_set(changed, first)
+    assert not routes_alike(changed, first)
 
 
 async def test_commit_with_returns_the_result_of_the_plan_run_it_wrote(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from controlplane import processes
 from controlplane.backends.local import LocalBackend
-from controlplane.models import Handle
+from controlplane.records import Handle
 from controlplane.run import RunConfig, ServiceRun
 from controlplane.spec import load_spec
 from tests.controlplane.test_controller import alive

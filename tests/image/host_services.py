@@ -32,8 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.processes import die_with_parent_hook, free_port
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.readyset import ReadySet

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redissentinel import SentinelGroup
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable

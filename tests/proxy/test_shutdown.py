@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store

@@ -1,13 +1,15 @@
 """The control plane's records, and the one pure function from them to a ReadySnapshot.
 
 Records are msgspec Structs stored as JSON in Redis by `controlplane.store` (the
-only module that reads or writes them). They are frozen: change one with
+only package that reads or writes them). They are frozen: change one with
 `msgspec.structs.replace(record, status=...)` and hand it to `Store.commit`.
 
 `compute_snapshot` is the only place that decides which replicas a proxy may
 route to; `Store.commit` calls it inside the transaction that writes the
 records, so the snapshot in Redis always agrees with the records beside it.
 Records allow unknown fields, so an older controller reads a newer one's data.
+
+Pure data and functions: imports only controlplane.states and proxy.wire.
 """
 
 from __future__ import annotations
@@ -233,15 +235,3 @@ def compute_snapshot(
 
 
 _by_id = operator.attrgetter("id")
-
-
-def same_ready_set(a: ReadySnapshot, b: ReadySnapshot) -> bool:
-    """True when two snapshots route identically (generation and time aside)."""
-    return (
-        a.service == b.service
-        and a.status == b.status
-        and a.policy == b.policy
-        and a.prefix_options == b.prefix_options
-        and a.active_versions == b.active_versions
-        and a.replicas == b.replicas
-    )

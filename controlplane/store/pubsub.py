@@ -1,0 +1,132 @@
+"""The store's pub/sub: following a service's snapshots as a proxy does, and the
+control channel (nudges to the controller: `nudge`, `ControlSubscription`).
+
+Pub/sub is at-most-once: a follower GETs the snapshot key again every few seconds,
+and a nudge only makes the controller act sooner (it reconciles on its own interval
+anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from controlplane.errors import StoreUnavailable, redis_errors
+from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.keys import Keys
+from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
+from proxy.wire.telemetry import Nudge, decode_nudge, encode_nudge
+
+log = logging.getLogger("sluice.store")
+
+
+async def follow_snapshots(
+    redis: aioredis.Redis,
+    keys: Keys,
+    name: str,
+    *,
+    resync_interval: float,
+    subscribe_timeout: float,
+) -> AsyncGenerator[ReadySnapshot, None]:
+    """`Store.follow_snapshots`."""
+    pubsub = redis.pubsub()
+    current = -1
+    loop = asyncio.get_running_loop()
+    try:
+        with redis_errors():
+            await pubsub.subscribe(keys.ready(name))
+            # GET only once the server has registered the subscription, so that no
+            # commit falls between the two.
+            try:
+                async with asyncio.timeout(subscribe_timeout):
+                    while True:
+                        message = await pubsub.get_message(timeout=subscribe_timeout)
+                        if message is not None and message["type"] == "subscribe":
+                            break
+            except TimeoutError as exc:
+                raise StoreUnavailable("redis unavailable: no subscribe confirmation") from exc
+        next_resync = loop.time()
+        while True:
+            payload: bytes | str | None = None
+            with redis_errors():
+                if loop.time() >= next_resync:
+                    payload = await redis.get(keys.snapshot(name))
+                    next_resync = loop.time() + resync_interval
+                else:
+                    wait = max(0.0, next_resync - loop.time())
+                    message = await pubsub.get_message(timeout=wait)
+                    if message is not None and message["type"] == "message":
+                        payload = message["data"]
+            if payload is None:
+                continue
+            try:
+                snapshot = decode_snapshot(payload)
+            except SnapshotInvalid:
+                continue  # a bad payload changes nothing; the next one may be fine
+            if snapshot.generation > current:
+                current = snapshot.generation
+                yield snapshot
+    finally:
+        with contextlib.suppress(Exception):
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+async def subscribe_control(redis: aioredis.Redis, keys: Keys) -> ControlSubscription:
+    """`Store.subscribe_control`."""
+    pubsub = redis.pubsub()
+    with redis_errors():
+        try:
+            await pubsub.subscribe(keys.control)
+        except BaseException:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            raise
+    return ControlSubscription(pubsub)
+
+
+async def nudge(redis: aioredis.Redis, keys: Keys, name: str, reason: str) -> int:
+    """`Store.nudge`."""
+    with redis_errors():
+        receivers: int = await redis.publish(
+            keys.control, encode_nudge(Nudge(service=name, reason=reason))
+        )
+    return receivers
+
+
+class ControlSubscription:
+    """Nudges arriving on the control channel (from `Store.subscribe_control`).
+
+    Pub/sub is at-most-once: a nudge only makes the controller act sooner, it
+    reconciles on its own interval anyway.
+    """
+
+    def __init__(self, pubsub: Any) -> None:
+        self._pubsub = pubsub
+
+    async def get(self, timeout: float) -> Nudge | None:  # noqa: ASYNC109 (redis-py's own)
+        """The next nudge, or None if none arrives within `timeout` seconds.
+
+        A message that is not a nudge is logged and skipped (None).
+        """
+        with redis_errors():
+            message = await self._pubsub.get_message(
+                ignore_subscribe_messages=True, timeout=max(0.0, timeout)
+            )
+        if message is None or message.get("type") != "message":
+            return None
+        try:
+            return decode_nudge(message["data"])
+        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
+            log.warning("ignoring an invalid nudge: %s", exc)
+            return None
+
+    async def aclose(self) -> None:
+        """Unsubscribe and release the connection."""
+        with contextlib.suppress(RedisError, OSError):
+            await self._pubsub.aclose()
