@@ -21,10 +21,10 @@ from controlplane import ops
 from controlplane.backends.base import Launched
 from controlplane.backends.external import ExternalBackend
 from controlplane.cli import cli
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.display import status_text
 from controlplane.models import ReplicaRecord, ServiceRecord
 from controlplane.prober import ProbeResult
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.rollout import plan_rollout
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus

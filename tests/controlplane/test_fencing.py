@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from controlplane import ops
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import ReplicaRecord, ServiceRecord
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus
 from controlplane.store import LeaseLost, Mutation, Store

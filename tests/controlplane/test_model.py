@@ -33,9 +33,9 @@ import redis.asyncio as aioredis
 from controlplane import ops
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.prober import ProbeResult
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode

@@ -31,8 +31,8 @@ from controlplane.backends.skypilot import (
     task_config,
 )
 from controlplane.backends.skypilot_sdk import SdkError
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import ReplicaRecord
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store
