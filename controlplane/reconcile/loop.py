@@ -80,6 +80,8 @@ class Controller:
         self._lock = asyncio.Lock()
         self._specs: dict[tuple[str, float, int], ServiceSpec] = {}
         self._known: set[str] = set()
+        # The autoscaler's writes of a step that failed, for the next one that commits.
+        self._unwritten: dict[str, ScaleStep] = {}
         # service -> replica id -> (backend, handle) as of the last step: what
         # terminate_all stops when Redis is gone (sluice run's dies with it).
         self._fleet: dict[str, dict[int, tuple[ReplicaBackend, Handle]]] = {}
@@ -239,34 +241,42 @@ class Controller:
 
     async def _reconcile(self, name: str) -> None:
         # The autoscaler decides at most once per step even when the plan is made again:
-        # its writes wait for the commit (or for the last attempt).
-        scaled: ScaleStep | None = None
-        for _ in range(_MAX_REPLANS):
-            state = await self._store.read_state(name)
-            if state is None:
-                self._recorded[name] = set()
-                return
-            self._known.add(name)
-            plan = self._planner.plan(await self._gather(name, state))
-            scaled = _merge(scaled, plan.scale)
-            if plan.wake_at is not None:
-                self._due(plan.wake_at)
-            try:
-                launched = await self._commit(plan)
-            except Stale:
-                continue  # an ops command wrote meanwhile: plan again on fresh data
-            await self._after_commit(plan, launched)
-            if plan.unregister:
-                return
-            self._fleet[name] = {
-                r.id: (self._planner.backend(r), r.handle) for r in plan.table.values() if r.handle
-            }
-            self._recorded[name] = set(plan.table) | {r.id for r in launched}
-            break
-        else:
-            log.warning("service %s: state kept changing; will retry next step", name)
-        if scaled is not None:
-            await write_step(self._store, name, scaled, self.config.qps_window_seconds)
+        # its writes wait for the commit (or for the last attempt), and for a later
+        # step when this one fails.
+        scaled = self._unwritten.pop(name, None)
+        try:
+            for _ in range(_MAX_REPLANS):
+                state = await self._store.read_state(name)
+                if state is None:
+                    self._recorded[name] = set()
+                    return
+                self._known.add(name)
+                plan = self._planner.plan(await self._gather(name, state))
+                scaled = _merge(scaled, plan.scale)
+                if plan.wake_at is not None:
+                    self._due(plan.wake_at)
+                try:
+                    launched = await self._commit(plan)
+                except Stale:
+                    continue  # an ops command wrote meanwhile: plan again on fresh data
+                await self._after_commit(plan, launched)
+                if plan.unregister:
+                    return
+                self._fleet[name] = {
+                    r.id: (self._planner.backend(r), r.handle)
+                    for r in plan.table.values()
+                    if r.handle
+                }
+                self._recorded[name] = set(plan.table) | {r.id for r in launched}
+                break
+            else:
+                log.warning("service %s: state kept changing; will retry next step", name)
+            if scaled is not None:
+                await write_step(self._store, name, scaled, self.config.qps_window_seconds)
+        except Exception:
+            if scaled is not None:
+                self._unwritten[name] = scaled
+            raise
 
     async def _gather(self, name: str, state: ServiceState) -> PlanInputs:
         """Everything the plan needs from Redis: the specs, and the autoscaling signals
@@ -337,6 +347,7 @@ class Controller:
     def _forget(self, name: str) -> None:
         self._known.discard(name)
         self._fleet.pop(name, None)
+        self._unwritten.pop(name, None)
         self._autoscalers.forget(name)
         self._planner.committed(name)
         self._prober.forget_service(name)
