@@ -231,6 +231,15 @@ async def write_step(store: Store, name: str, step: ScaleStep, qps_window: int) 
         await store.write_autoscaler(name, step.status)
 
 
+def merge_steps(earlier: ScaleStep | None, later: ScaleStep | None) -> ScaleStep | None:
+    """The writes of two attempts at one step (or of a failed step and the next): the
+    latest decision, and a trim if either wanted one."""
+    if earlier is None or later is None:
+        return later or earlier
+    status = later.status if later.status is not None else earlier.status
+    return ScaleStep(later.target, later.due, later.now, status, earlier.trim or later.trim)
+
+
 def _latest_live(record: ServiceRecord, managed: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
     return [r for r in managed if r.status in LIVE and r.version == record.version]
 

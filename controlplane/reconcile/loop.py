@@ -24,6 +24,7 @@ from controlplane.reconcile.autoscaling import (
     AutoscalerRegistry,
     ScaleSignals,
     ScaleStep,
+    merge_steps,
     read_signals,
     write_step,
 )
@@ -252,7 +253,7 @@ class Controller:
                     return
                 self._known.add(name)
                 plan = self._planner.plan(await self._gather(name, state))
-                scaled = _merge(scaled, plan.scale)
+                scaled = merge_steps(scaled, plan.scale)
                 if plan.wake_at is not None:
                     self._due(plan.wake_at)
                 try:
@@ -402,12 +403,3 @@ class Controller:
                 log.warning("control channel: %s; resubscribing in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-
-
-def _merge(earlier: ScaleStep | None, later: ScaleStep | None) -> ScaleStep | None:
-    """The autoscaler's writes of two attempts at one step: the latest decision, and a
-    trim if either wanted one."""
-    if earlier is None or later is None:
-        return later or earlier
-    status = later.status if later.status is not None else earlier.status
-    return ScaleStep(later.target, later.due, later.now, status, earlier.trim or later.trim)
