@@ -121,7 +121,6 @@ class Autoscaler:
         self._since = now  # observing continuously since
         self._history: deque[tuple[float, int]] = deque()
         self.current = policy.min_replicas if current is None else current
-        self.last: Decision | None = None
 
     @property
     def policy(self) -> ReplicaPolicy:
@@ -196,7 +195,7 @@ class Autoscaler:
             self.current, reason = window_min, "upscale"
         elif window_max < self.current and observed >= p.downscale_delay_seconds:
             self.current, reason = window_max, "downscale"
-        self.last = Decision(
+        return Decision(
             target=self.target,
             raw=raw,
             signal=signal,
@@ -204,7 +203,6 @@ class Autoscaler:
             window_max=window_max,
             reason=reason,
         )
-        return self.last
 
     @property
     def target(self) -> int:
@@ -217,7 +215,7 @@ class Autoscaler:
             self.current = max(1, self._clip(1))
             self._history.clear()
             self._since = now
-        self.last = Decision(
+        return Decision(
             target=self.target,
             raw=self.current,
             signal=0.0,
@@ -225,7 +223,6 @@ class Autoscaler:
             window_max=self.current,
             reason="demand",
         )
-        return self.last
 
     def reset(
         self,
@@ -241,7 +238,7 @@ class Autoscaler:
         self._since = now
         raw, signal = self.raw_target(rps=rps, inflight=inflight, now=now)
         self.current = raw
-        self.last = Decision(
+        return Decision(
             target=self.target,
             raw=raw,
             signal=signal,
@@ -249,7 +246,6 @@ class Autoscaler:
             window_max=raw,
             reason="reset",
         )
-        return self.last
 
     def describe(self) -> str:
         """The policy in words, for `sluice status`."""

@@ -1,4 +1,4 @@
-"""Readiness: probing replicas, and what a probe result does to a replica's state.
+"""Readiness: probing replicas (what a result does is `controlplane.lifecycle`'s).
 
 `Prober` owns one aiohttp ClientSession and the probe tasks. The controller
 calls `poll()` on every step: it starts a probe for each replica that is due
@@ -14,17 +14,7 @@ as Sky Serve's `requests` call does (a 301/302/303 answer to a POST is followed
 with a GET, as there), fewer than `MAX_REDIRECTS` in a row, all within the probe's
 one timeout.
 
-`apply_probe` and `apply_exit` are the state machine (Sky Serve's semantics),
-pure functions of a record, a result and the time:
-- 200: READY (first_ready_at set on the first one), failure count reset.
-- failure, never READY before: stays STARTING until `initial_delay_seconds`
-  after its first failed probe (`first_not_ready_at`; Sky Serve's
-  `first_not_ready_time`), then FAILED_INITIAL_DELAY.
-- failure after having been READY: NOT_READY (out of the ready set) at once;
-  FAILED_PROBING once failures have lasted longer than
-  `consecutive_failure_threshold_timeout`.
-- the replica's process exited: FAILED.
-External replicas never fail for good: they wait until they answer again.
+What a result does to a replica's state is `controlplane.lifecycle.apply_probe`.
 """
 
 from __future__ import annotations
@@ -35,18 +25,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 
 from controlplane.records import ReplicaRecord
 from controlplane.spec import ReadinessProbe
-from controlplane.states import PROBED, EventKind, ReplicaStatus
+from controlplane.states import PROBED
 
 log = logging.getLogger("sluice.prober")
 
 #: Redirects a probe follows (requests, which Sky Serve's prober uses, allows 30; a
 #: readiness path needs one or two).
 MAX_REDIRECTS = 10
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,15 +45,6 @@ class ProbeResult:
     ok: bool
     detail: str  # "200", "503", "timeout after 5s", "connect: ..."
     url: str  # the URL probed (a result for a replica that moved is dropped)
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    """What applying a probe result or an exit did: the new record, and an event to log."""
-
-    record: ReplicaRecord
-    event: EventKind | None = None  # READY, NOT_READY or FAILURE
-    reason: str | None = None
 
 
 class Prober:
@@ -203,84 +182,3 @@ class Prober:
             return False, f"timeout after {probe.timeout_seconds:g}s"
         except aiohttp.ClientError as exc:
             return False, f"{type(exc).__name__}: {exc}"
-
-
-# -- the state machine -----------------------------------------------------------------------
-
-
-def apply_probe(
-    replica: ReplicaRecord,
-    result: ProbeResult,
-    probe: ReadinessProbe,
-    now: float,
-    *,
-    can_fail: bool = True,
-) -> Transition:
-    """The replica after a probe result (see the module docstring).
-
-    `can_fail=False` (external replicas, which nobody here can replace) never moves
-    to a FAILED_* state: such a replica waits, STARTING or NOT_READY, until it
-    answers again or is removed.
-    """
-    replace = msgspec.structs.replace
-    if replica.status not in PROBED or result.url != replica.url:
-        return Transition(replica)
-    if result.ok:
-        if replica.status is ReplicaStatus.READY:
-            if replica.failures:
-                return Transition(replace(replica, failures=0))
-            return Transition(replica)
-        ready = replace(
-            replica,
-            status=ReplicaStatus.READY,
-            status_since=now,
-            first_ready_at=replica.first_ready_at or now,
-            failures=0,
-        )
-        return Transition(ready, EventKind.READY)
-    if replica.first_ready_at is None:
-        # Sky Serve (replica_managers.py, `_probe_all_replicas`) times the initial delay
-        # from the first failed probe, not from the launch.
-        if replica.first_not_ready_at is None:
-            return Transition(replace(replica, first_not_ready_at=now))
-        if can_fail and now - replica.first_not_ready_at > probe.initial_delay_seconds:
-            reason = (
-                f"not ready within initial_delay_seconds={probe.initial_delay_seconds:g} "
-                f"(last probe: {result.detail})"
-            )
-            failed = replace(
-                replica,
-                status=ReplicaStatus.FAILED_INITIAL_DELAY,
-                status_since=now,
-                failures=replica.failures + 1,
-            )
-            return Transition(failed, EventKind.FAILURE, reason)
-        return Transition(replica)
-    if replica.status is ReplicaStatus.READY:
-        return Transition(
-            replace(replica, status=ReplicaStatus.NOT_READY, status_since=now, failures=1),
-            EventKind.NOT_READY,
-            f"probe failed: {result.detail}",
-        )
-    # NOT_READY (or STARTING after a restart of a once-ready replica): count the failure.
-    since = replica.status_since if replica.status_since is not None else now
-    if can_fail and now - since > probe.consecutive_failure_threshold_timeout:
-        reason = (
-            f"probes failing for {now - since:.0f}s > consecutive_failure_threshold_timeout="
-            f"{probe.consecutive_failure_threshold_timeout:g} (last: {result.detail})"
-        )
-        failed = replace(
-            replica,
-            status=ReplicaStatus.FAILED_PROBING,
-            status_since=now,
-            failures=replica.failures + 1,
-        )
-        return Transition(failed, EventKind.FAILURE, reason)
-    return Transition(replace(replica, failures=replica.failures + 1))
-
-
-def apply_exit(replica: ReplicaRecord, reason: str, now: float) -> Transition:
-    """The replica after its process ended: FAILED (the reason says how)."""
-    when = "before it was ever ready" if replica.first_ready_at is None else "after being ready"
-    failed = msgspec.structs.replace(replica, status=ReplicaStatus.FAILED, status_since=now)
-    return Transition(failed, EventKind.FAILURE, f"process {reason} {when}")

@@ -57,8 +57,8 @@ def target_replicas(
     """How many replicas of the latest version the service should run.
 
     `replicas: N` or `replica_policy.min_replicas`: the fixed count. The
-    controller's default target (`controlplane.scaling.Scaling.target`) uses it
-    for services without an autoscaling target.
+    controller's planner (`controlplane.reconcile.planner`) uses it for services
+    without an autoscaling target.
     """
     return spec.min_replicas
 

@@ -25,7 +25,7 @@ from controlplane.cli.common import (
     service_name,
     target_of,
 )
-from controlplane.controller import ControllerConfig, run_controller
+from controlplane.reconcile import ControllerConfig, run_controller
 from controlplane.run import RunConfig, run_service
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from controlplane import processes
-from controlplane.controller import ControllerConfig
+from controlplane.reconcile import ControllerConfig
 from controlplane.spec import ServiceSpec
 from controlplane.statedir import StateDir, read_secret, with_password, write_private
 from proxy.wire.errors import SluiceError

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from controlplane import ops
 from controlplane.cli import cli
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import ServiceSpec, load_spec
 from controlplane.store import Store

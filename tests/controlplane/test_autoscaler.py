@@ -46,8 +46,8 @@ def test_upscale_only_after_the_delay_then_to_the_level_held() -> None:
     rates = steady(7, -100, 1000)  # 7 QPS / 2 per replica -> 4 replicas
     # Before 60 s of observation nothing moves; at 60 s the whole window agrees.
     assert run(s, lambda t: rates, 0, 40) == [1, 1, 1]
-    assert s.decide(60.0, rps=rates).target == 4
-    assert s.last is not None and s.last.reason == "upscale"
+    decision = s.decide(60.0, rps=rates)
+    assert decision.target == 4 and decision.reason == "upscale"
 
 
 def test_one_noisy_tick_neither_triggers_nor_resets_an_upscale() -> None:
@@ -93,8 +93,8 @@ def test_downscale_waits_for_the_longer_delay_and_takes_the_window_max() -> None
 def test_from_zero_adopts_at_once_and_decides_faster() -> None:
     s = Autoscaler(policy(min_replicas=0), now=0.0, current=0)
     assert s.interval == 5.0
-    assert s.decide(1.0, rps={0: 6}).target == 1  # 0.1 QPS -> 1 replica, no delay
-    assert s.last is not None and s.last.reason == "from_zero"
+    decision = s.decide(1.0, rps={0: 6})
+    assert decision.target == 1 and decision.reason == "from_zero"  # 0.1 QPS -> 1, no delay
     assert s.interval == 20.0
 
 

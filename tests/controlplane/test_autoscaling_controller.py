@@ -21,14 +21,14 @@ from controlplane import ops
 from controlplane.backends.base import Launched
 from controlplane.backends.external import ExternalBackend
 from controlplane.cli import cli
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.display import status_text
 from controlplane.prober import ProbeResult
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.rollout import plan_rollout
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus
-from controlplane.store import Store
+from controlplane.store import Store, StoreUnavailable
 
 NAME = "svc"
 T0 = 1_000_000.0
@@ -395,3 +395,29 @@ def test_cli_status_json_and_replica_preempt(redis_url: str, redis_prefix: str) 
     assert table[1].status is ReplicaStatus.PREEMPTED
     result = sluice("replica", "preempt", NAME, "1")
     assert result.exit_code != 0 and "no live replica 1" in result.output
+
+
+async def test_a_decision_is_written_once_its_plan_is_committed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Planning does no I/O: the first step decides (a new autoscaler decides at once)
+    # and plans a launch, but what it decided reaches Redis only with the commit. A
+    # failed commit writes nothing; the next step that commits writes the decision.
+    h = harness
+    await ops.up(h.store, NAME, spec(QPS_POLICY))
+    committed = h.store.commit_with
+
+    async def refused(*args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("injected: the commit did not happen")
+
+    monkeypatch.setattr(h.store, "commit_with", refused)
+    with pytest.raises(StoreUnavailable, match="injected"):
+        await h.controller.step()
+    assert await h.store.read_autoscaler(NAME) is None
+    assert await h.store.replicas(NAME) == {}
+
+    monkeypatch.setattr(h.store, "commit_with", committed)
+    await h.settle()  # the clock has not moved: no new decision falls due
+    decision = await h.decision()
+    assert (decision.at, decision.target, decision.reason) == (T0, 1, "hold")
+    assert len(await h.live()) == 1

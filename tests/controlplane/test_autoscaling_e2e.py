@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from controlplane import ops
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.controlplane.traffic import Traffic

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from controlplane import ops
 from controlplane.autoscaler import QPS_WINDOW_SECONDS
-from controlplane.controller import Controller, ControllerConfig
-from controlplane.scaling import MAX_PENDING_DEMAND
+from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile.autoscaling import MAX_PENDING_DEMAND
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
 
@@ -92,9 +92,9 @@ async def test_pending_demand_is_bounded_and_keeps_only_registered_services(
     await ops.up(store, "svc", spec(ON_QPS))
     for i in range(MAX_PENDING_DEMAND * 2):  # what anyone who can PUBLISH can send
         controller.demand(f"ghost-{i}")
-    assert len(controller.scaling.pending_demand) <= MAX_PENDING_DEMAND
+    assert len(controller.autoscalers.pending_demand) <= MAX_PENDING_DEMAND
     await controller.step()
-    assert controller.scaling.pending_demand <= {"svc"}
+    assert controller.autoscalers.pending_demand <= {"svc"}
     controller.demand("ghost")
     await controller.step()
-    assert controller.scaling.pending_demand == frozenset()
+    assert controller.autoscalers.pending_demand == frozenset()

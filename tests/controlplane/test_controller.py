@@ -30,8 +30,9 @@ from controlplane import ops
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
-from controlplane.controller import Controller, ControllerConfig, run_controller
-from controlplane.prober import Prober, ProbeResult, apply_exit, apply_probe
+from controlplane.lifecycle import apply_exit, apply_probe
+from controlplane.prober import Prober, ProbeResult
+from controlplane.reconcile import Controller, ControllerConfig, run_controller
 from controlplane.records import ReplicaRecord
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
@@ -573,7 +574,7 @@ async def test_leader_failover_adopts_the_replicas(
     script = (
         "import asyncio, logging, sys\n"
         "from pathlib import Path\n"
-        "from controlplane.controller import ControllerConfig, run_controller\n"
+        "from controlplane.reconcile import ControllerConfig, run_controller\n"
         "logging.basicConfig(level=logging.INFO)\n"
         f"config = ControllerConfig(redis_url={config.redis_url!r}, prefix={config.prefix!r},"
         f" state_dir=Path({str(config.state_dir)!r}), lease_ttl={config.lease_ttl},"

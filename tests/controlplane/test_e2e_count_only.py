@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from controlplane import ops
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.controlplane.traffic import Traffic

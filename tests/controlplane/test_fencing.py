@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from controlplane import ops
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus

@@ -33,8 +33,8 @@ import redis.asyncio as aioredis
 from controlplane import ops
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
-from controlplane.controller import Controller, ControllerConfig
 from controlplane.prober import ProbeResult
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec

@@ -38,7 +38,7 @@ from click.testing import CliRunner, Result
 
 from controlplane import ops
 from controlplane.cli import cli
-from controlplane.controller import ControllerConfig, run_controller
+from controlplane.reconcile import ControllerConfig, run_controller
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
 from controlplane.spec import parse_spec
 from controlplane.store import Store

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from controlplane import ops, processes
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
 from tests.controlplane.test_controller import alive, make_spec, pid_of, ready_view

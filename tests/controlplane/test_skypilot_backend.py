@@ -31,7 +31,7 @@ from controlplane.backends.skypilot import (
     task_config,
 )
 from controlplane.backends.skypilot_sdk import SdkError
-from controlplane.controller import Controller, ControllerConfig
+from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus

@@ -1,25 +1,33 @@
-"""The controller's autoscaling state: one `Autoscaler` per service, fed through the
-store with the proxies' per-second request counts or in-flight totals.
+"""The controller's autoscaling state: one `Autoscaler` per service (the
+`AutoscalerRegistry`), fed with the proxies' per-second request counts or in-flight
+totals (`ScaleSignals`).
 
-`Scaling.observe()` runs once per service per controller step, before the plan
-is made (it is the async part: it reads Redis). It creates the service's
-Autoscaler from the latest spec's replica policy the first time it sees the
-service, `reset`s it whenever the service record's version changes (an
-update), calls `demand()` when a proxy signalled that it holds requests with
-no replica (a "demand" nudge, `note_demand`), and otherwise decides every
-`autoscaler.interval` seconds. Each decision is written to the store
-(`{prefix}:svc:{name}:autoscaler`, an `AutoscalerStatus`) for `sluice status`.
+One step of a service, in three parts so that planning does no I/O:
 
-`Scaling.target()` is the controller's `TargetFn` (the `rollout.target_replicas`
-seam): the autoscaler's target for autoscaled services, the fixed count for the
-others. The decisions live in this process only: a controller that takes over
-starts from the number of replicas it finds running, not from zero.
+1. `read_signals` (before planning): the signals the service's autoscaler will
+   need in this step (`AutoscalerRegistry.wants_signals`), or none. The rps hash
+   is trimmed to the QPS window before it is read, which bounds the read.
+2. `AutoscalerRegistry.observe` (while planning; no I/O): creates the service's
+   Autoscaler from the latest spec's replica policy the first time it sees the
+   service, `reset`s it whenever the service record's version changes (an
+   update), calls `demand()` when a proxy signalled that it holds requests with
+   no replica (a "demand" nudge, `note_demand`), and otherwise decides every
+   `autoscaler.interval` seconds. It returns a `ScaleStep`: the target (None for
+   services without autoscaling: the fixed count, `rollout.target_replicas`),
+   when the autoscaler next wants a step, and what to write.
+3. `write_step` (after the commit): each decision is written to the store
+   (`{prefix}:svc:{name}:autoscaler`, an `AutoscalerStatus`) for `sluice status`,
+   and every `RPS_TRIM_INTERVAL_SECONDS` the service's rps hash is trimmed to the
+   QPS window, whether or not the service autoscales on QPS.
+
+The decisions live in this process only: a controller that takes over starts from
+the number of replicas it finds running, not from zero.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controlplane.autoscaler import (
@@ -30,7 +38,6 @@ from controlplane.autoscaler import (
     Decision,
 )
 from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
-from controlplane.rollout import target_replicas
 from controlplane.spec import ReplicaPolicy, ServiceSpec
 from controlplane.states import LIVE
 from controlplane.store import Store
@@ -48,9 +55,25 @@ MAX_PENDING_DEMAND = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class _Signals:
-    rps: dict[int, int] | None
-    inflight: float | None
+class ScaleSignals:
+    """What the proxies reported, read before planning: per-second request counts
+    (QPS policies) or the fresh in-flight total (concurrency policies)."""
+
+    rps: dict[int, int] | None = None
+    inflight: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleStep:
+    """What `observe` made of one step: the autoscaler's target (None: not autoscaled,
+    the fixed count applies), when it next wants a step, and the writes for after the
+    commit (a decision to record; whether to trim the rps hash)."""
+
+    target: int | None
+    due: float
+    now: float  # the step's time
+    status: AutoscalerStatus | None = None
+    trim: bool = False
 
 
 @dataclass
@@ -61,21 +84,19 @@ class _Service:
     trim_due: float = 0.0  # the next trim of the rps hash
 
 
-class Scaling:
+class AutoscalerRegistry:
     """Per-service autoscalers for one controller; see the module docstring."""
 
     def __init__(
         self,
-        store: Store,
         *,
         interval: float = DECISION_INTERVAL_SECONDS,
         zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS,
         qps_window: int = QPS_WINDOW_SECONDS,
     ) -> None:
-        self._store = store
         self._interval = interval
         self._zero_interval = zero_interval
-        self._qps_window = qps_window
+        self.qps_window = qps_window
         self._services: dict[str, _Service] = {}
         self._demand: set[str] = set()
 
@@ -104,20 +125,45 @@ class Scaling:
         self._services.pop(name, None)
         self._demand.discard(name)
 
-    def autoscaler(self, name: str) -> Autoscaler | None:
-        service = self._services.get(name)
-        return service.autoscaler if service is not None else None
+    def _new(
+        self,
+        policy: ReplicaPolicy,
+        record: ServiceRecord,
+        managed: Sequence[ReplicaRecord],
+        now: float,
+    ) -> _Service:
+        autoscaler = Autoscaler(
+            policy,
+            now=now,
+            current=_adopted(policy, record, managed),
+            interval=self._interval,
+            zero_interval=self._zero_interval,
+            qps_window=self.qps_window,
+        )
+        return _Service(autoscaler, (record.created_at, record.version), due=now)
 
-    async def observe(
+    def wants_signals(self, record: ServiceRecord, now: float) -> bool:
+        """Whether `observe` may decide (or reset) in a step at `now`: then the signals
+        are read before planning."""
+        service = self._services.get(record.name)
+        return (
+            service is None
+            or service.version != (record.created_at, record.version)
+            or now >= service.due
+        )
+
+    def observe(
         self,
         record: ServiceRecord,
         spec: ServiceSpec,
         managed: Sequence[ReplicaRecord],
+        signals: ScaleSignals,
         now: float,
-    ) -> float:
-        """Bring the service's autoscaler up to date; returns when it next wants a step.
+    ) -> ScaleStep:
+        """Bring the service's autoscaler up to date (no I/O); see the module docstring.
 
         `managed`: the replicas the controller runs (external ones excluded).
+        `signals`: what `read_signals` read for this step.
         """
         name = record.name
         policy = spec.service.scaling
@@ -127,32 +173,22 @@ class Scaling:
         self._demand.discard(name)
         decision: Decision | None = None
         if service is None:
-            autoscaler = Autoscaler(
-                policy,
-                now=now,
-                current=_adopted(policy, record, managed),
-                interval=self._interval,
-                zero_interval=self._zero_interval,
-                qps_window=self._qps_window,
-            )
-            service = self._services[name] = _Service(autoscaler, version, due=now)
+            service = self._services[name] = self._new(policy, record, managed, now)
         elif service.version != version:
-            signals = await self._signals(name, policy, now)
             decision = service.autoscaler.reset(
                 policy, now, rps=signals.rps, inflight=signals.inflight
             )
             service.version = version
             service.due = now + service.autoscaler.interval
-        if now >= service.trim_due:
+        trim = now >= service.trim_due
+        if trim:
             # Seconds before the window are never read again; nothing else trims them.
-            await self._store.trim_rps(name, int(now) - self._qps_window - 1)
             service.trim_due = now + RPS_TRIM_INTERVAL_SECONDS
         autoscaler = service.autoscaler
         if demand and autoscaler.autoscaling and autoscaler.current == 0:
             decision = autoscaler.demand(now)
             service.due = now + autoscaler.interval
         if now >= service.due:
-            signals = await self._signals(name, policy, now)
             replica_qps, fastest = _capacity(policy, record, managed)
             decision = autoscaler.decide(
                 now,
@@ -162,33 +198,46 @@ class Scaling:
                 fastest_qps=fastest,
             )
             service.due = now + autoscaler.interval
-        if decision is not None:
-            await self._store.write_autoscaler(name, _status(autoscaler, decision, now))
-        return service.due
+        return ScaleStep(
+            target=autoscaler.target if autoscaler.autoscaling else None,
+            due=service.due,
+            now=now,
+            status=_status(autoscaler, decision, now) if decision is not None else None,
+            trim=trim,
+        )
 
-    def target(
-        self,
-        record: ServiceRecord,
-        spec: ServiceSpec,
-        replicas: Mapping[int, ReplicaRecord],
-        now: float,
-    ) -> int:
-        """The controller's TargetFn: the autoscaler's target, or the fixed count."""
-        service = self._services.get(record.name)
-        if service is None or not service.autoscaler.autoscaling:
-            return target_replicas(record, spec, replicas, now)
-        return service.autoscaler.target
 
-    async def _signals(self, name: str, policy: ReplicaPolicy, now: float) -> _Signals:
-        if policy.target_ongoing_requests is not None:
-            entries = await self._store.read_inflight(name)
-            fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
-            return _Signals(rps=None, inflight=float(sum(fresh)))
-        if policy.target_qps_per_replica is None:
-            return _Signals(rps=None, inflight=None)
-        # Seconds before the window are never read again; trimming keeps the hash small.
-        await self._store.trim_rps(name, int(now) - self._qps_window - 1)
-        return _Signals(rps=await self._store.read_rps(name), inflight=None)
+async def read_signals(
+    store: Store, name: str, policy: ReplicaPolicy, now: float, *, qps_window: int
+) -> ScaleSignals:
+    """The signals `policy` scales on, as the proxies last reported them."""
+    if policy.target_ongoing_requests is not None:
+        entries = await store.read_inflight(name)
+        fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
+        return ScaleSignals(inflight=float(sum(fresh)))
+    if policy.target_qps_per_replica is None:
+        return ScaleSignals()
+    # Part of the read, as it bounds it: seconds before the window are never read again.
+    # (Only the proxies' counters are touched; the controller's state is not.)
+    await store.trim_rps(name, int(now) - qps_window - 1)
+    return ScaleSignals(rps=await store.read_rps(name))
+
+
+async def write_step(store: Store, name: str, step: ScaleStep, qps_window: int) -> None:
+    """After the commit: record the decision, trim the rps hash to the QPS window."""
+    if step.trim:
+        await store.trim_rps(name, int(step.now) - qps_window - 1)
+    if step.status is not None:
+        await store.write_autoscaler(name, step.status)
+
+
+def merge_steps(earlier: ScaleStep | None, later: ScaleStep | None) -> ScaleStep | None:
+    """The writes of two attempts at one step (or of a failed step and the next): the
+    latest decision, and a trim if either wanted one."""
+    if earlier is None or later is None:
+        return later or earlier
+    status = later.status if later.status is not None else earlier.status
+    return ScaleStep(later.target, later.due, later.now, status, earlier.trim or later.trim)
 
 
 def _latest_live(record: ServiceRecord, managed: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
