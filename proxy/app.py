@@ -2,7 +2,8 @@
 
 ProxyApp starts, in order: the ready set (with its pool factory), the source of
 the ready set, the client listener, the admin listener, and the sweeper. It
-closes in the order written down in DESIGN.md and tested:
+closes in the order written down in docs/architecture.md ("Shutdown order") and
+tested in tests/proxy/test_shutdown.py:
 
 1. fail readiness (/readyz answers 503) and stop accepting connections;
 2. close idle client connections; let in-flight exchanges finish, up to

@@ -32,7 +32,8 @@ publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
 
-Key names and payload structs come from the wire contract (proxy/wire/).
+Key names, payload structs and the subscribe/GET/re-GET sequence (feed.py) come from
+the wire contract (proxy/wire/).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class RedisSource:
 
     Reads `redis_url`, `service`, `redis_prefix`, `sync_interval` (the re-GET
     period) and `sync_timeout` (per Redis command) from the config; the keyword
-    arguments tune the rest. The constructor only assigns; `start()` connects and starts the two
-    background tasks, `aclose()` cancels and awaits them and closes the client.
+    arguments tune the rest. The constructor only assigns; `start()` connects and starts the three
+    background tasks (sync, rps flush, demand nudges), `aclose()` cancels and awaits them and
+    closes the client.
     """
 
     def __init__(

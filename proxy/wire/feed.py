@@ -2,7 +2,7 @@
 read rule, used by the proxy's Redis source and by the control plane's
 `Store.follow_snapshots`.
 
-The rule (DESIGN.md, "Rules a proxy follows"):
+The rule (docs/architecture.md states it for the Redis source):
 
 1. SUBSCRIBE to `{prefix}:svc:{name}:ready` and wait for the server's confirmation;
 2. only then GET `{prefix}:svc:{name}:snapshot`, so no commit falls between the two;
