@@ -1,7 +1,7 @@
 """How fast a committed ReadySnapshot reaches the proxies, and what a commit costs.
 
 One committer (controlplane.store.Store.commit) and N proxy *processes*, each
-running proxy.subscriber.RedisSource into a ReadySet, as sluice-proxy does.
+running proxy.sources.redis.RedisSource into a ReadySet, as sluice-proxy does.
 The committer commits `--commits` snapshots (2 -> 3 -> 2 replicas, every one a
 new generation); each proxy records, for every snapshot it applies, the time
 from the snapshot's `published_at` (set by the committer just before its
@@ -54,8 +54,8 @@ from controlplane.states import ReplicaStatus  # noqa: E402
 from controlplane.store import Store, StoreError  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.readyset import ReadySet  # noqa: E402
+from proxy.sources.redis import RedisSource  # noqa: E402
 from proxy.stats import Stats  # noqa: E402
-from proxy.subscriber import RedisSource  # noqa: E402
 from proxy.wire.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
 
 PREFIX = "bench"

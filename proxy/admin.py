@@ -1,24 +1,46 @@
 """The admin listener (aiohttp, off the request path): /healthz, /readyz, /metrics, /snapshot.
 
 It listens on its own port (127.0.0.1 by default), so proxied paths are never
-shadowed.
+shadowed. It reads the proxy through AppView, the few things it shows, so it does
+not depend on the app that owns it (proxy/app.py's ProxyApp is one).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
 from proxy import metrics
+from proxy.config import ProxyConfig
+from proxy.readyset import ReadySet
+from proxy.stats import Stats
 
-if TYPE_CHECKING:
-    from proxy.app import ProxyApp
+
+class AppView(Protocol):
+    """What the admin listener reads of a running proxy."""
+
+    @property
+    def config(self) -> ProxyConfig: ...
+
+    @property
+    def ready_set(self) -> ReadySet: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+    @property
+    def ready(self) -> bool:
+        """Serving: started, not draining, with at least one ready replica."""
+
+    @property
+    def draining(self) -> bool:
+        """Shutdown began."""
 
 
 class AdminServer:
-    def __init__(self, app: ProxyApp, host: str, port: int) -> None:
+    def __init__(self, app: AppView, host: str, port: int) -> None:
         self._app = app
         self._host = host
         self._port = port
@@ -55,12 +77,14 @@ class AdminServer:
             "ready": app.ready,
             "replicas": len(app.ready_set.replicas),
             "generation": app.ready_set.generation,
-            "draining": bool(app.ctx and app.ctx.draining),
+            "draining": app.draining,
         }
         return web.json_response(body, status=200 if app.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(self._app),
+        app = self._app
+        body = metrics.render(app.ready_set, app.stats, worker=app.config.worker_index)
+        return web.Response(body=body,
                             content_type="text/plain", charset="utf-8")
 
     async def _snapshot(self, request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 
 ProxyApp starts, in order: the ready set (with its pool factory), the source of
 the ready set, the client listener, the admin listener, and the sweeper. It
-closes in the order written down in DESIGN.md and tested:
+closes in the order written down in docs/architecture.md ("Shutdown order") and
+tested in tests/proxy/test_shutdown.py:
 
 1. fail readiness (/readyz answers 503) and stop accepting connections;
 2. close idle client connections; let in-flight exchanges finish, up to
@@ -32,7 +33,7 @@ from proxy.errors import ConfigError
 from proxy.pool import ReplicaPool
 from proxy.readyset import ReadySet, Replica
 from proxy.server import ClientConnection, ServerContext
-from proxy.sources import Source, StaticSource
+from proxy.sources import Source, make_source
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
 
@@ -41,27 +42,6 @@ log = logging.getLogger("sluice.proxy")
 TICK_SECONDS = 0.1
 # Seconds the steps after the drain may take in all: pools 0.5, source 2.0, admin 1.0.
 CLOSE_BOUND = 3.5
-
-
-def make_source(config: ProxyConfig, stats: Stats) -> Source:
-    """The one source of the ready set the config names."""
-    chosen = [bool(config.replicas), bool(config.redis_url), bool(config.controller_addr)]
-    if sum(chosen) != 1:
-        raise ConfigError(
-            "give exactly one source of replicas: --replicas URL,..., "
-            "--redis URL --service NAME, or --controller-addr URL"
-        )
-    if config.replicas:
-        return StaticSource(config.replicas, policy=config.policy or "least_load")
-    if config.redis_url:
-        if not config.service:
-            raise ConfigError("--redis needs --service NAME")
-        from proxy.subscriber import RedisSource
-
-        return RedisSource(config, stats)
-    from proxy.skyserve import make_skyserve_source
-
-    return make_skyserve_source(config, stats)
 
 
 class ProxyApp:
@@ -172,6 +152,11 @@ class ProxyApp:
     def ready(self) -> bool:
         ctx = self.ctx
         return ctx is not None and not ctx.draining and bool(self.ready_set.replicas)
+
+    @property
+    def draining(self) -> bool:
+        """True once shutdown began (readiness failed, no new connections)."""
+        return bool(self.ctx and self.ctx.draining)
 
     async def aclose(self) -> None:
         ctx = self.ctx

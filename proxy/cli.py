@@ -1,35 +1,32 @@
 """`sluice-proxy` (also `sluice proxy`): parse options, build one ProxyConfig, run.
 
 With `--workers N > 1` this process supervises N worker processes that share
-the port with SO_REUSEPORT (proxy/supervisor.py); each runs its own ready-set
-source and admin listener (worker i on admin port + i). uvloop is chosen here
-and only here.
+the port with SO_REUSEPORT (proxy/runner.py); each runs its own ready-set
+source and admin listener (worker i on admin port + i).
+
+Every default is ProxyConfig's (or PrefixOptions'): the options read them from
+DEFAULTS and PREFIX_DEFAULTS, so a default is written once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import shutil
-import signal
 import sys
-import tempfile
-import threading
+from collections.abc import Mapping
 
 import click
+import msgspec
 
-from proxy import compat
-from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.policies import POLICIES
 from proxy.redisurl import RedisURLError, validate
-from proxy.supervisor import Supervisor
-from proxy.wire.keys import DEFAULT_PREFIX
+from proxy.runner import run_proxy, run_workers
 from proxy.wire.snapshot import PrefixOptions
 
-log = logging.getLogger("sluice.proxy")
+DEFAULTS = ProxyConfig()
+PREFIX_DEFAULTS = PrefixOptions()
 
 
 def _split_urls(value: str | None) -> tuple[str, ...]:
@@ -57,17 +54,6 @@ def _target_qps(values: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-# A process still shutting down this long after grace + CLOSE_BOUND exits anyway.
-WATCHDOG_SLACK = 0.5
-
-
-def _exit_now(seconds: float) -> None:
-    # From the watchdog thread: no logging (its lock may be held by the stuck loop).
-    os.write(2, b"sluice-proxy: shutdown still not finished %.1fs after the signal; "
-                b"exiting now\n" % seconds)
-    os._exit(1)
-
-
 _PREFIX_FLAGS = {
     "prefix_block_bytes": "block_bytes",
     "prefix_bytes": "prefix_bytes",
@@ -78,14 +64,15 @@ _PREFIX_FLAGS = {
 }
 
 
-def _prefix_options(opts: dict[str, object]) -> PrefixOptions | None:
-    """The --prefix-* flags given, over the defaults; None when none is given."""
-    given = {field: opts[flag] for flag, field in _PREFIX_FLAGS.items()
-             if opts.get(flag) is not None}
+def _prefix_options(flags: Mapping[str, object]) -> PrefixOptions | None:
+    """The --prefix-* flags given (by option name), over the defaults; None when none is given."""
+    given = {field: flags[flag] for flag, field in _PREFIX_FLAGS.items()
+             if flags.get(flag) is not None}
     if not given:
         return None
     try:
-        return PrefixOptions(**given)  # type: ignore[arg-type]
+        # replace() runs PrefixOptions' own checks (__post_init__), as the constructor does.
+        return msgspec.structs.replace(PREFIX_DEFAULTS, **given)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--prefix-*") from exc
 
@@ -99,44 +86,6 @@ def check_redis_url(ctx: click.Context, param: click.Parameter, url: str | None)
             # One line (exit 1), as every other error of the CLI; no usage text.
             raise click.ClickException(f"--redis: {exc}") from exc
     return url
-
-
-def run_proxy(config: ProxyConfig) -> None:
-    """Run one proxy process until SIGTERM/SIGINT, on uvloop.
-
-    Shutdown ends within `shutdown_grace + CLOSE_BOUND` (ProxyApp.aclose bounds
-    every step); a watchdog thread armed at the signal ends the process shortly
-    after that in any case, e.g. if a task ignores cancellation when the loop
-    is torn down.
-    """
-    import uvloop
-
-    watchdog: threading.Timer | None = None
-
-    async def serve() -> None:
-        nonlocal watchdog
-        app = ProxyApp(config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await app.start()
-        try:
-            await stop.wait()
-            log.info("shutting down: draining in-flight requests (grace %.0fs)",
-                     config.shutdown_grace)
-        finally:
-            limit = config.shutdown_grace + CLOSE_BOUND + WATCHDOG_SLACK
-            watchdog = threading.Timer(limit, _exit_now, (limit,))
-            watchdog.daemon = True
-            watchdog.start()
-            await app.aclose()
-
-    try:
-        compat.run(serve(), loop_factory=uvloop.new_event_loop)
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
 
 
 ARGS_KEY = "sluice.proxy.args"
@@ -164,26 +113,27 @@ class _ProxyCommand(click.Command):
               help="CA certificate(s) that signed the rediss:// server's certificate "
                    "(default: the system's). Env: SLUICE_REDIS_CA_FILE.")
 @click.option("--service", help="Service name whose ready set to follow (with --redis).")
-@click.option("--redis-prefix", "--prefix", "redis_prefix", default=DEFAULT_PREFIX,
+@click.option("--redis-prefix", "--prefix", "redis_prefix", default=DEFAULTS.redis_prefix,
               show_default=True, help="Redis key prefix.")
 @click.option("--controller-addr", help="Drop-in mode: URL of an unmodified Sky Serve "
               "controller to sync the ready set from.")
-@click.option("--sync-interval", type=float, default=5.0, show_default=True,
+@click.option("--sync-interval", type=float, default=DEFAULTS.sync_interval, show_default=True,
               help="Sky Serve sync period in seconds (drop-in mode).")
-@click.option("--sync-timeout", type=float, default=5.0, show_default=True,
+@click.option("--sync-timeout", type=float, default=DEFAULTS.sync_timeout, show_default=True,
               help="Timeout of one Sky Serve sync request (drop-in mode).")
-@click.option("--quick-resync/--no-quick-resync", default=True, show_default=True,
+@click.option("--quick-resync/--no-quick-resync", default=DEFAULTS.quick_resync,
+              show_default=True,
               help="Drop-in mode: when a sync empties a non-empty set, resync after 0.5 s "
                    "and 1 s while holding requests.")
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--port", "--load-balancer-port", "port", type=int, default=8080,
+@click.option("--host", default=DEFAULTS.host, show_default=True, help="Address to listen on.")
+@click.option("--port", "--load-balancer-port", "port", type=int, default=DEFAULTS.port,
               show_default=True, help="Port to listen on (0: any free port).")
-@click.option("--admin-host", default="127.0.0.1", show_default=True,
+@click.option("--admin-host", default=DEFAULTS.admin_host, show_default=True,
               help="Admin listener address (/healthz /readyz /metrics /snapshot).")
-@click.option("--admin-port", type=int, default=9090, show_default=True,
+@click.option("--admin-port", type=int, default=DEFAULTS.admin_port, show_default=True,
               help="Admin listener port; worker i uses admin port + i. -1 disables it.")
-@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Processes sharing the port (SO_REUSEPORT).")
+@click.option("--workers", type=click.IntRange(1, 64), default=DEFAULTS.workers,
+              show_default=True, help="Processes sharing the port (SO_REUSEPORT).")
 @click.option("--worker-index", type=int, default=None, hidden=True)
 @click.option("--sync-relay", default=None, hidden=True)
 @click.option("--policy", "--load-balancing-policy", "policy",
@@ -193,53 +143,77 @@ class _ProxyCommand(click.Command):
               help="Per-accelerator capacity for instance_aware_least_load (repeatable).")
 @click.option("--prefix-epsilon", type=click.FloatRange(0, min_open=True), default=None,
               help="prefix policy: bounded load; a replica holding more than (1 + E) x the "
-                   "mean in flight is skipped for the next in rendezvous order. [default: 1]")
+                   "mean in flight is skipped for the next in rendezvous order. "
+                   f"[default: {PREFIX_DEFAULTS.epsilon:g}]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",
               help="prefix policy: header whose value is the routing key ('' : none). "
-                   "[default: X-Session-Id]")
+                   f"[default: {PREFIX_DEFAULTS.session_header}]")
 @click.option("--prefix-user-field/--no-prefix-user-field", default=None,
               help="prefix policy: route on the JSON body's \"user\" field when present. "
-                   "[default: off]")
+                   f"[default: {'on' if PREFIX_DEFAULTS.user_field else 'off'}]")
 @click.option("--prefix-block-bytes", type=click.IntRange(16), default=None,
-              help="prefix policy: block size of the prompt's hash chain. [default: 256]")
+              help="prefix policy: block size of the prompt's hash chain. "
+                   f"[default: {PREFIX_DEFAULTS.block_bytes}]")
 @click.option("--prefix-bytes", type=click.IntRange(16, 1 << 20), default=None,
-              help="prefix policy: request body bytes read before routing. [default: 16384]")
+              help="prefix policy: request body bytes read before routing. "
+                   f"[default: {PREFIX_DEFAULTS.prefix_bytes}]")
 @click.option("--prefix-lru-size", type=click.IntRange(0), default=None,
-              help="prefix policy: entries of the longest-prefix memory. [default: 16384]")
-@click.option("--pool-size", type=click.IntRange(1), default=256, show_default=True,
-              help="Connection limit per replica.")
-@click.option("--pool-grace", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="prefix policy: entries of the longest-prefix memory. "
+                   f"[default: {PREFIX_DEFAULTS.lru_size}]")
+@click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
+              show_default=True, help="Connection limit per replica.")
+@click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
+              show_default=True,
               help="Seconds a departed replica's pool stays open (comes back warm).")
-@click.option("--retry-deadline", type=click.FloatRange(0, min_open=True), default=60.0,
+@click.option("--retry-deadline", type=click.FloatRange(0, min_open=True),
+              default=DEFAULTS.retry_deadline,
               show_default=True, help="Total budget per request until response headers: "
               "waiting for a replica, for a connection, and every attempt.")
-@click.option("--max-attempts", type=click.IntRange(1), default=3, show_default=True,
+@click.option("--max-attempts", type=click.IntRange(1), default=DEFAULTS.max_attempts,
+              show_default=True,
               help="Attempts per request, each on a different replica where possible.")
-@click.option("--connect-timeout", type=click.FloatRange(0, min_open=True), default=5.0,
+@click.option("--connect-timeout", type=click.FloatRange(0, min_open=True),
+              default=DEFAULTS.connect_timeout,
               show_default=True, help="Per-attempt connect timeout.")
-@click.option("--empty-wait", type=click.FloatRange(0), default=10.0, show_default=True,
+@click.option("--empty-wait", type=click.FloatRange(0), default=DEFAULTS.empty_wait,
+              show_default=True,
               help="Hold a request this long for a ready replica before 503.")
-@click.option("--hold-heartbeat", type=click.FloatRange(0), default=0.0, show_default=True,
+@click.option("--hold-heartbeat", type=click.FloatRange(0), default=DEFAULTS.hold_heartbeat,
+              show_default=True,
               help="While a `\"stream\": true` request is held for a replica, answer 200 "
                    "text/event-stream at once and send an SSE comment every this many "
                    "seconds (keeps clients and cloud load balancers from timing out). "
                    "0: off.")
-@click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True), default=120.0,
+@click.option("--stream-idle-timeout", type=click.FloatRange(0, min_open=True),
+              default=DEFAULTS.stream_idle_timeout,
               show_default=True, help="Max seconds between chunks: of a response (the stream is "
               "cut) and of a request body (408).")
-@click.option("--header-timeout", type=click.FloatRange(0, min_open=True), default=30.0,
+@click.option("--header-timeout", type=click.FloatRange(0, min_open=True),
+              default=DEFAULTS.header_timeout,
               show_default=True, help="Seconds a client has to send a whole request head "
               "(slowloris defence).")
-@click.option("--max-body", type=click.IntRange(0), default=100 * 1024 * 1024,
+@click.option("--max-body", type=click.IntRange(0), default=DEFAULTS.max_body,
               show_default=True, help="Largest request body in bytes (413 beyond).")
-@click.option("--shutdown-grace", type=click.FloatRange(0), default=30.0, show_default=True,
-              help="On SIGTERM, seconds to let in-flight requests finish.")
+@click.option("--shutdown-grace", type=click.FloatRange(0), default=DEFAULTS.shutdown_grace,
+              show_default=True, help="On SIGTERM, seconds to let in-flight requests finish.")
 @click.option("--tls-certfile", type=click.Path(dir_okay=False), help="Serve HTTPS: cert.")
 @click.option("--tls-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: key.")
-@click.option("--log-level", default="INFO", show_default=True,
+@click.option("--log-level", default=DEFAULTS.log_level, show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="sluice", prog_name="sluice-proxy")
-def proxy_command(**opts: object) -> None:
+def proxy_command(
+    *, replicas: str | None, redis_url: str | None, redis_ca_file: str | None,
+    service: str | None, redis_prefix: str, controller_addr: str | None,
+    sync_interval: float, sync_timeout: float, quick_resync: bool, host: str, port: int,
+    admin_host: str, admin_port: int, workers: int, worker_index: int | None,
+    sync_relay: str | None, policy: str | None, target_qps: tuple[str, ...],
+    prefix_epsilon: float | None, prefix_session_header: str | None,
+    prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
+    prefix_lru_size: int | None, pool_size: int, pool_grace: float, retry_deadline: float,
+    max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
+    stream_idle_timeout: float, header_timeout: float, max_body: int, shutdown_grace: float,
+    tls_certfile: str | None, tls_keyfile: str | None, log_level: str,
+) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
 
     \b
@@ -248,62 +222,37 @@ def proxy_command(**opts: object) -> None:
       sluice-proxy --redis redis://127.0.0.1:6379 --service llm --port 8080
       sluice-proxy --controller-addr http://127.0.0.1:20001 --load-balancer-port 8080
     """
-    logging.basicConfig(level=str(opts["log_level"]).upper(),
+    logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    workers = int(opts["workers"])  # type: ignore[call-overload]
-    index = opts["worker_index"]
-    admin_port = int(opts["admin_port"])  # type: ignore[call-overload]
+    prefix_flags = {
+        "prefix_epsilon": prefix_epsilon, "prefix_session_header": prefix_session_header,
+        "prefix_user_field": prefix_user_field, "prefix_block_bytes": prefix_block_bytes,
+        "prefix_bytes": prefix_bytes, "prefix_lru_size": prefix_lru_size,
+    }
     config = ProxyConfig(
-        host=str(opts["host"]),
-        port=int(opts["port"]),  # type: ignore[call-overload]
-        admin_host=str(opts["admin_host"]),
+        host=host, port=port, admin_host=admin_host,
         admin_port=None if admin_port < 0 else admin_port,
-        workers=workers,
-        worker_index=int(index) if index is not None else 0,  # type: ignore[call-overload]
-        replicas=_split_urls(opts["replicas"]),  # type: ignore[arg-type]
-        redis_url=opts["redis_url"],  # type: ignore[arg-type]
-        service=opts["service"],  # type: ignore[arg-type]
-        redis_prefix=str(opts["redis_prefix"]),
-        redis_ca_file=opts["redis_ca_file"],  # type: ignore[arg-type]
-        controller_addr=opts["controller_addr"],  # type: ignore[arg-type]
-        sync_interval=float(opts["sync_interval"]),  # type: ignore[arg-type]
-        sync_timeout=float(opts["sync_timeout"]),  # type: ignore[arg-type]
-        quick_resync=bool(opts["quick_resync"]),
-        sync_relay=opts["sync_relay"],  # type: ignore[arg-type]
-        policy=opts["policy"],  # type: ignore[arg-type]
-        target_qps=_target_qps(opts["target_qps"]),  # type: ignore[arg-type]
-        prefix_options=_prefix_options(opts),
-        pool_size=int(opts["pool_size"]),  # type: ignore[call-overload]
-        pool_grace=float(opts["pool_grace"]),  # type: ignore[arg-type]
-        retry_deadline=float(opts["retry_deadline"]),  # type: ignore[arg-type]
-        max_attempts=int(opts["max_attempts"]),  # type: ignore[call-overload]
-        connect_timeout=float(opts["connect_timeout"]),  # type: ignore[arg-type]
-        empty_wait=float(opts["empty_wait"]),  # type: ignore[arg-type]
-        hold_heartbeat=float(opts["hold_heartbeat"]),  # type: ignore[arg-type]
-        stream_idle_timeout=float(opts["stream_idle_timeout"]),  # type: ignore[arg-type]
-        header_timeout=float(opts["header_timeout"]),  # type: ignore[arg-type]
-        max_body=int(opts["max_body"]),  # type: ignore[call-overload]
-        shutdown_grace=float(opts["shutdown_grace"]),  # type: ignore[arg-type]
-        tls_certfile=opts["tls_certfile"],  # type: ignore[arg-type]
-        tls_keyfile=opts["tls_keyfile"],  # type: ignore[arg-type]
-        log_level=str(opts["log_level"]).upper(),
+        workers=workers, worker_index=0 if worker_index is None else worker_index,
+        replicas=_split_urls(replicas), redis_url=redis_url, service=service,
+        redis_prefix=redis_prefix, redis_ca_file=redis_ca_file, controller_addr=controller_addr,
+        sync_interval=sync_interval, sync_timeout=sync_timeout, quick_resync=quick_resync,
+        sync_relay=sync_relay, policy=policy, target_qps=_target_qps(target_qps),
+        prefix_options=_prefix_options(prefix_flags),
+        pool_size=pool_size, pool_grace=pool_grace, retry_deadline=retry_deadline,
+        max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,
+        hold_heartbeat=hold_heartbeat, stream_idle_timeout=stream_idle_timeout,
+        header_timeout=header_timeout, max_body=max_body, shutdown_grace=shutdown_grace,
+        tls_certfile=tls_certfile, tls_keyfile=tls_keyfile, log_level=log_level.upper(),
     )
-    if workers > 1 and index is None:
+    _run(config, supervise=workers > 1 and worker_index is None)
+
+
+def _run(config: ProxyConfig, *, supervise: bool) -> None:
+    """Supervise `config.workers` workers (this process is their parent), or be the proxy."""
+    if supervise:
         if config.port == 0:
             raise click.UsageError("--workers > 1 needs a fixed --port")
-        args = list(click.get_current_context().meta[ARGS_KEY])
-        relay_dir = None
-        if config.controller_addr:
-            # Drop-in mode: worker 0 alone syncs with the controller; the others relay
-            # through a private unix socket (proxy/skyserve.py).
-            relay_dir = tempfile.mkdtemp(prefix="sluice-sync-")
-            args = [*args, "--sync-relay", os.path.join(relay_dir, "relay.sock")]
-        try:
-            code = Supervisor(workers, args, shutdown_grace=config.shutdown_grace).run()
-        finally:
-            if relay_dir is not None:
-                shutil.rmtree(relay_dir, ignore_errors=True)
-        sys.exit(code)
+        sys.exit(run_workers(config, click.get_current_context().meta[ARGS_KEY]))
     try:
         run_proxy(config)
     except ConfigError as exc:

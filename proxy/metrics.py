@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -15,10 +14,8 @@ from prometheus_client.core import (
 )
 
 from proxy.prefix import REASONS
-from proxy.stats import BUCKETS, Histogram
-
-if TYPE_CHECKING:
-    from proxy.app import ProxyApp
+from proxy.readyset import ReadySet
+from proxy.stats import BUCKETS, Histogram, Stats
 
 
 def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
@@ -33,18 +30,25 @@ def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
 
 
 class ProxyCollector:
-    def __init__(self, app: ProxyApp) -> None:
-        self._app = app
+    """The proxy's metrics, read from its ready set and counters at each scrape."""
+
+    def __init__(self, ready_set: ReadySet, stats: Stats, *, worker: int) -> None:
+        self._ready_set = ready_set
+        self._stats = stats
+        self._worker = str(worker)
 
     def collect(self) -> Iterator[Metric]:
-        app = self._app
-        stats = app.stats
-        worker = str(app.config.worker_index)
+        yield from self._requests()
+        yield from self._replicas()
+        yield from self._snapshot()
+
+    def _requests(self) -> Iterator[Metric]:
+        stats = self._stats
         responses = CounterMetricFamily(
             "sluice_responses", "Responses by status code (499: client went away)",
             labels=["code", "worker"])
         for code, count in sorted(stats.responses.items()):
-            responses.add_metric([str(code), worker], count)
+            responses.add_metric([str(code), self._worker], count)
         yield responses
         yield CounterMetricFamily("sluice_requests", "Requests received",
                                   value=stats.requests_total)
@@ -59,16 +63,19 @@ class ProxyCollector:
                          "Request start to end of response", stats.upstream_latency)
         yield _histogram("sluice_upstream_ttfb_seconds",
                          "Request start to response headers", stats.ttfb)
+
+    def _replicas(self) -> Iterator[Metric]:
+        ready_set = self._ready_set
         inflight = GaugeMetricFamily("sluice_replica_inflight", "In-flight requests per replica",
                                      labels=["replica"])
         pool_size = GaugeMetricFamily("sluice_pool_connections",
                                       "Open connections per replica pool", labels=["replica"])
-        for url, replica in app.ready_set.known.items():
+        for url, replica in ready_set.known.items():
             inflight.add_metric([url], replica.inflight)
             pool_size.add_metric([url], replica.pool.size if replica.pool else 0)
         yield inflight
         yield pool_size
-        routed = getattr(app.ready_set.policy, "routed", None)
+        routed = getattr(ready_set.policy, "routed", None)
         if routed is not None:
             family = CounterMetricFamily(
                 "sluice_routed", "Requests routed per replica by the prefix policy, by reason "
@@ -77,16 +84,19 @@ class ProxyCollector:
                 labels=["replica", "reason", "worker"])
             for url, counts in routed.items():
                 for reason, count in zip(REASONS, counts, strict=True):
-                    family.add_metric([url, reason, worker], count)
+                    family.add_metric([url, reason, self._worker], count)
             yield family
         yield GaugeMetricFamily("sluice_ready_replicas", "Replicas in the ready set",
-                                value=len(app.ready_set.replicas))
-        snap = app.ready_set.snapshot
+                                value=len(ready_set.replicas))
+
+    def _snapshot(self) -> Iterator[Metric]:
+        ready_set, stats = self._ready_set, self._stats
+        snap = ready_set.snapshot
         yield GaugeMetricFamily("sluice_snapshot_generation", "Generation of the snapshot in force",
                                 value=snap.generation if snap else -1)
         yield GaugeMetricFamily("sluice_snapshot_applied_timestamp_seconds",
                                 "Unix time this proxy applied the snapshot in force (0: none)",
-                                value=app.ready_set.applied_at if snap else 0.0)
+                                value=ready_set.applied_at if snap else 0.0)
         yield GaugeMetricFamily("sluice_snapshot_age_seconds",
                                 "Seconds since the snapshot in force was published",
                                 value=time.time() - snap.published_at if snap else 0.0)
@@ -104,7 +114,8 @@ class ProxyCollector:
                                 value=stats.source_connected)
 
 
-def render(app: ProxyApp) -> bytes:
+def render(ready_set: ReadySet, stats: Stats, *, worker: int) -> bytes:
+    """The Prometheus text exposition of one proxy process (`worker`: its index)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ProxyCollector(app))
+    registry.register(ProxyCollector(ready_set, stats, worker=worker))
     return generate_latest(registry)

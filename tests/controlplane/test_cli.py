@@ -894,8 +894,8 @@ async def test_status_flags_a_proxy_lagging_behind(
 ) -> None:
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
+    from proxy.sources.redis import RedisSource
     from proxy.stats import Stats
-    from proxy.subscriber import RedisSource
     from tests.fixtures_redis import eventually
 
     ops_args = ["--redis", redis_url, "--prefix", redis_prefix]

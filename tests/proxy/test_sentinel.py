@@ -19,8 +19,8 @@ from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
+from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
-from proxy.subscriber import RedisSource
 from proxy.wire.snapshot import ReadySnapshot
 from tests.fixtures_redis import eventually
 from tests.fixtures_replicas import ProxyFactory, ReplicaFactory

@@ -26,8 +26,8 @@ from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
+from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
-from proxy.subscriber import RedisSource
 from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory
 from tests.proxy import rawhttp
 from tests.proxy.harness import HOST, until

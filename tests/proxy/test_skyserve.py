@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import trustme
 
-from proxy.skyserve import parse_sync_reply
+from proxy.sources.skyserve_protocol import parse_sync_reply
 from tests.fixtures_replicas import free_port
 from tests.skyserve_stub import StubController
 

@@ -24,7 +24,8 @@ import pytest
 import trustme
 
 from proxy.policies import InstanceAwareLeastLoad
-from proxy.skyserve import RequestLog, dropin_config, encode_sync_body
+from proxy.skyserve import dropin_config
+from proxy.sources.skyserve_protocol import RequestLog, encode_sync_body
 from tests.fixtures_replicas import HOST, Proxy, free_port
 from tests.proxy.harness import ManualSource, ScriptedUpstream, inprocess_proxy, until
 from tests.proxy.test_policies import Fake
@@ -267,9 +268,9 @@ def test_dropin_deadline_waits_as_long_as_skys_stream_timeout() -> None:
 
 async def test_sync_body_is_encoded_off_the_event_loop(stub, monkeypatch) -> None:
     # Issue 12 item 10: a minute of timestamps at 5k req/s is 300k floats to encode.
-    from proxy import skyserve
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
+    from proxy.sources import skyserve
     from proxy.stats import Stats
 
     threads: list[threading.Thread] = []
@@ -292,9 +293,9 @@ async def test_sync_body_is_encoded_off_the_event_loop(stub, monkeypatch) -> Non
 
 
 async def test_counts_older_than_the_window_are_dropped_and_counted(stub) -> None:
-    from proxy import skyserve
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
+    from proxy.sources import skyserve
     from proxy.stats import Stats
 
     stub.script = [{}]

@@ -1,4 +1,4 @@
-"""proxy.subscriber.RedisSource against a real redis-server and a real ReadySet."""
+"""proxy.sources.redis.RedisSource against a real redis-server and a real ReadySet."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
+from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
-from proxy.subscriber import RedisSource
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
 from tests.fixtures_redis import eventually

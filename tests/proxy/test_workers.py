@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.supervisor import RestartPolicy, worker_argv
+from proxy.runner import RestartPolicy, worker_argv
 from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory, free_port
 from tests.proxy import rawhttp
 from tests.proxy.harness import BASE_ARGS, HOST, metric, scrape, until

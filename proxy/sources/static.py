@@ -1,28 +1,13 @@
-"""Sources of the ready set. Each one feeds `ReadySet.apply()`; the proxy does not care which.
-
-A source is started once and closed once by the proxy app:
-
-    source = StaticSource(urls)
-    await source.start(ready_set)
-    ...
-    await source.aclose()
-"""
+"""The static source of the ready set: a fixed list of replica URLs (`--replicas`)."""
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
-
-
-class Source(Protocol):
-    async def start(self, ready_set: ReadySet) -> None: ...
-
-    async def aclose(self) -> None: ...
 
 
 class StaticSource:

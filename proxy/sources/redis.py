@@ -32,7 +32,8 @@ publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
 
-Key names and payload structs come from the wire contract (proxy/wire/).
+Key names, payload structs and the subscribe/GET/re-GET sequence (feed.py) come from
+the wire contract (proxy/wire/).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -62,6 +62,7 @@ from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
 from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.feed import SnapshotFeed
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import decode_snapshot
 from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, encode_nudge
@@ -78,8 +79,9 @@ class RedisSource:
 
     Reads `redis_url`, `service`, `redis_prefix`, `sync_interval` (the re-GET
     period) and `sync_timeout` (per Redis command) from the config; the keyword
-    arguments tune the rest. The constructor only assigns; `start()` connects and starts the two
-    background tasks, `aclose()` cancels and awaits them and closes the client.
+    arguments tune the rest. The constructor only assigns; `start()` connects and starts the three
+    background tasks (sync, rps flush, demand nudges), `aclose()` cancels and awaits them and
+    closes the client.
     """
 
     def __init__(
@@ -105,8 +107,7 @@ class RedisSource:
         self._service = config.service
         self._stats = stats
         keys = Keys(config.redis_prefix)
-        self._snapshot_key = keys.snapshot(config.service)
-        self._channel = keys.ready(config.service)
+        self._keys = keys
         self._rps_key = keys.rps(config.service)
         self._inflight_key = keys.inflight(config.service)
         self._proxies_key = keys.proxies(config.service)
@@ -221,17 +222,13 @@ class RedisSource:
         """One connection's life: subscribe, GET, then follow; returns only by raising."""
         client = self._client
         assert client is not None
-        pubsub = client.pubsub()
+        feed = SnapshotFeed(client, self._keys, self._service,
+                            resync_interval=self._resync_interval)
         try:
-            await pubsub.subscribe(self._channel)
-            # The GET must come after the server registered the subscription, or a
-            # commit between the two would be missed until the next resync.
-            async with timeout(self._connect_timeout):
-                while True:
-                    message = await pubsub.get_message(timeout=self._connect_timeout)
-                    if message is not None and message["type"] == "subscribe":
-                        break
-            await self._resync(client)
+            await feed.subscribe(self._connect_timeout)
+            stored = await feed.get()
+            if stored is not None:
+                self._offer(stored, via_publish=False)
             if self._failures:
                 log.info(
                     "redis source for %s: reconnected at generation %d",
@@ -241,30 +238,17 @@ class RedisSource:
             self._failures = 0
             self._stats.source_connected = 1
             self._synced.set()
-            loop = asyncio.get_running_loop()
-            next_resync = loop.time() + self._resync_interval
             while not self._closing:
-                wait = max(0.0, next_resync - loop.time())
-                message = await pubsub.get_message(timeout=wait)
-                if message is not None and message["type"] == "message":
-                    self._offer(message["data"], via_publish=True)
-                if loop.time() >= next_resync:
-                    await self._resync(client)
-                    next_resync = loop.time() + self._resync_interval
+                delivery = await feed.next()
+                if delivery is not None:
+                    self._offer(delivery.payload, via_publish=delivery.via_publish)
         finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await feed.aclose()
 
-    async def _resync(self, client: aioredis.Redis) -> None:
-        payload = await client.get(self._snapshot_key)
-        if payload is not None:
-            self._offer(payload, via_publish=False)
-
-    def _offer(self, payload: Any, *, via_publish: bool) -> None:
+    def _offer(self, raw: bytes, *, via_publish: bool) -> None:
         """Apply a payload if valid and newer; reject it (kept set, logged, counted) if not."""
         ready_set = self._ready_set
         assert ready_set is not None
-        raw = payload.encode() if isinstance(payload, str) else bytes(payload)
         try:
             snapshot = decode_snapshot(raw)
             if snapshot.service != self._service:

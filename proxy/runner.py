@@ -1,6 +1,12 @@
-"""`--workers N`: the process that starts N proxy workers on one port and keeps them running.
+"""Running the proxy: one process (`run_proxy`), or N worker processes on one port
+(`run_workers`, with the Supervisor that keeps them running). uvloop is chosen here
+and only here.
 
-Each worker is `python -m proxy.cli ARGS --worker-index I`, where ARGS are the
+One process runs a ProxyApp until SIGTERM/SIGINT; its shutdown is bounded
+(ProxyApp.aclose), and a watchdog thread armed at the signal ends the process
+shortly after that bound in any case.
+
+`--workers N`: each worker is `python -m proxy.cli ARGS --worker-index I`, where ARGS are the
 options this command was given (not `sys.argv`, which for `sluice proxy` starts
 with the subcommand), so both entry points re-execute the same way. Workers
 share the port with SO_REUSEPORT; worker I serves admin on admin port + I.
@@ -18,17 +24,89 @@ always ends within that bound.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from proxy.app import CLOSE_BOUND
+from proxy import compat
+from proxy.app import CLOSE_BOUND, ProxyApp
+from proxy.config import ProxyConfig
 
 log = logging.getLogger("sluice.proxy")
+
+# A process still shutting down this long after grace + CLOSE_BOUND exits anyway.
+WATCHDOG_SLACK = 0.5
+
+
+def _exit_now(seconds: float) -> None:
+    # From the watchdog thread: no logging (its lock may be held by the stuck loop).
+    os.write(2, b"sluice-proxy: shutdown still not finished %.1fs after the signal; "
+                b"exiting now\n" % seconds)
+    os._exit(1)
+
+
+def run_proxy(config: ProxyConfig) -> None:
+    """Run one proxy process until SIGTERM/SIGINT, on uvloop.
+
+    Shutdown ends within `shutdown_grace + CLOSE_BOUND` (ProxyApp.aclose bounds
+    every step); a watchdog thread armed at the signal ends the process shortly
+    after that in any case, e.g. if a task ignores cancellation when the loop
+    is torn down.
+    """
+    import uvloop
+
+    watchdog: threading.Timer | None = None
+
+    async def serve() -> None:
+        nonlocal watchdog
+        app = ProxyApp(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await app.start()
+        try:
+            await stop.wait()
+            log.info("shutting down: draining in-flight requests (grace %.0fs)",
+                     config.shutdown_grace)
+        finally:
+            limit = config.shutdown_grace + CLOSE_BOUND + WATCHDOG_SLACK
+            watchdog = threading.Timer(limit, _exit_now, (limit,))
+            watchdog.daemon = True
+            watchdog.start()
+            await app.aclose()
+
+    try:
+        compat.run(serve(), loop_factory=uvloop.new_event_loop)
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def run_workers(config: ProxyConfig, args: Sequence[str]) -> int:
+    """Run `config.workers` worker processes, each `python -m proxy.cli ARGS --worker-index I`,
+    until a signal stops them; the exit status for this process."""
+    args = list(args)
+    relay_dir = None
+    if config.controller_addr:
+        # Drop-in mode: worker 0 alone syncs with the controller; the others relay
+        # through a private unix socket (proxy/sources/skyserve.py).
+        relay_dir = tempfile.mkdtemp(prefix="sluice-sync-")
+        args = [*args, "--sync-relay", os.path.join(relay_dir, "relay.sock")]
+    try:
+        return Supervisor(config.workers, args, shutdown_grace=config.shutdown_grace).run()
+    finally:
+        if relay_dir is not None:
+            shutil.rmtree(relay_dir, ignore_errors=True)
 
 # Seconds past the shutdown grace before a worker is SIGKILLed: a worker ends by
 # itself within grace + CLOSE_BOUND (+ its watchdog's slack); this is the backstop.
