@@ -23,6 +23,7 @@ import msgspec
 
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from proxy.wire.errors import SluiceError
+from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
 #: Sky Serve's rule (sky/serve/constants.py SERVICE_NAME_VALID_REGEX), bounded like a DNS
@@ -69,7 +70,7 @@ class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
     version: int = 1  # the latest version; its spec is at `{prefix}:svc:{name}:spec:{version}`
     active_versions: tuple[int, ...] = ()
     update_mode: UpdateMode = UpdateMode.ROLLING
-    policy: str = "least_load"  # the load-balancing policy proxies use
+    policy: str = DEFAULT_POLICY  # the load-balancing policy proxies use
     prefix_options: PrefixOptions | None = None  # the `prefix` policy's (spec service.sluice)
     endpoint: str | None = None  # where clients reach the service (the proxy's URL)
     created_at: float = 0.0

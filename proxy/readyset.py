@@ -34,6 +34,7 @@ from proxy.policies import make_policy
 from proxy.replica import Replica, parse_replica_url
 from proxy.waiters import WaiterQueue
 from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
 
 # Replica and parse_replica_url are re-exported: `from proxy.readyset import Replica` keeps working.
@@ -64,7 +65,7 @@ class ReadySet:
         self.snapshot: ReadySnapshot | None = None
         self.replicas: tuple[Replica, ...] = ()
         self.known: dict[str, Replica] = {}
-        self.policy: Policy = make_policy(policy_override or "least_load", target_qps,
+        self.policy: Policy = make_policy(policy_override or DEFAULT_POLICY, target_qps,
                                           prefix_options)
         self.applied_at = 0.0  # wall clock of the last apply
         # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).

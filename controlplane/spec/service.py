@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from proxy.wire.policies import POLICY_NAMES
+from proxy.wire.policies import DEFAULT_POLICY, POLICY_NAMES
 
 # Sky Serve's defaults (sky/serve/constants.py and the replica manager).
 DEFAULT_MIN_REPLICAS = 1
@@ -25,7 +25,7 @@ DEFAULT_FAILURE_THRESHOLD_TIMEOUT = 180.0
 DEFAULT_UPSCALE_DELAY_SECONDS = 300.0
 DEFAULT_DOWNSCALE_DELAY_SECONDS = 1200.0
 DEFAULT_STREAM_TIMEOUT_SECONDS = 120.0
-DEFAULT_LOAD_BALANCING_POLICY = "least_load"
+DEFAULT_LOAD_BALANCING_POLICY = DEFAULT_POLICY
 
 INSTANCE_AWARE = "instance_aware_least_load"
 

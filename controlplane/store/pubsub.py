@@ -8,7 +8,6 @@ anyway).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator
@@ -19,9 +18,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from controlplane.errors import StoreUnavailable, redis_errors
-from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
+from proxy.wire.snapshot import ReadySnapshot
 from proxy.wire.telemetry import Nudge, decode_nudge, encode_nudge
 
 log = logging.getLogger("sluice.store")
@@ -36,46 +35,16 @@ async def follow_snapshots(
     subscribe_timeout: float,
 ) -> AsyncGenerator[ReadySnapshot, None]:
     """`Store.follow_snapshots`."""
-    pubsub = redis.pubsub()
-    current = -1
-    loop = asyncio.get_running_loop()
+    stream = newer_snapshots(redis, keys, name, resync_interval=resync_interval,
+                             subscribe_timeout=subscribe_timeout)
     try:
         with redis_errors():
-            await pubsub.subscribe(keys.ready(name))
-            # GET only once the server has registered the subscription, so that no
-            # commit falls between the two.
-            try:
-                async with asyncio.timeout(subscribe_timeout):
-                    while True:
-                        message = await pubsub.get_message(timeout=subscribe_timeout)
-                        if message is not None and message["type"] == "subscribe":
-                            break
-            except TimeoutError as exc:
-                raise StoreUnavailable("redis unavailable: no subscribe confirmation") from exc
-        next_resync = loop.time()
-        while True:
-            payload: bytes | str | None = None
-            with redis_errors():
-                if loop.time() >= next_resync:
-                    payload = await redis.get(keys.snapshot(name))
-                    next_resync = loop.time() + resync_interval
-                else:
-                    wait = max(0.0, next_resync - loop.time())
-                    message = await pubsub.get_message(timeout=wait)
-                    if message is not None and message["type"] == "message":
-                        payload = message["data"]
-            if payload is None:
-                continue
-            try:
-                snapshot = decode_snapshot(payload)
-            except SnapshotInvalid:
-                continue  # a bad payload changes nothing; the next one may be fine
-            if snapshot.generation > current:
-                current = snapshot.generation
+            async for snapshot in stream:
                 yield snapshot
+    except NoSubscribeConfirmation as exc:
+        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
     finally:
-        with contextlib.suppress(Exception):
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await stream.aclose()
 
 
 async def subscribe_control(redis: aioredis.Redis, keys: Keys) -> ControlSubscription:

@@ -29,6 +29,7 @@ from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.sources.static import StaticSource
 from proxy.stats import Stats
+from proxy.wire.policies import DEFAULT_POLICY
 
 
 class Source(Protocol):
@@ -46,7 +47,7 @@ def make_source(config: ProxyConfig, stats: Stats) -> Source:
             "--redis URL --service NAME, or --controller-addr URL"
         )
     if config.replicas:
-        return StaticSource(config.replicas, policy=config.policy or "least_load")
+        return StaticSource(config.replicas, policy=config.policy or DEFAULT_POLICY)
     if config.redis_url:
         if not config.service:
             raise ConfigError("--redis needs --service NAME")

@@ -48,6 +48,7 @@ from proxy.sources.skyserve_protocol import (
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
 from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 
 log = logging.getLogger("sluice.proxy.skyserve")
@@ -144,7 +145,7 @@ class SkyServeSource:
         self._relay: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ready_set: ReadySet | None = None
-        self._applier = _SetApplier(config.policy or "least_load", stats)
+        self._applier = _SetApplier(config.policy or DEFAULT_POLICY, stats)
         self._counter = _Counter(stats)
         self.requests = RequestLog()
         self._workers: dict[int, tuple[float, float]] = {}  # index -> (until, heard at)
@@ -275,7 +276,7 @@ class RelayFollower:
         self._stats = stats
         self._counter = _Counter(stats)
         self._samples: list[Sample] = []
-        self._applier = _SetApplier(config.policy or "least_load", stats)
+        self._applier = _SetApplier(config.policy or DEFAULT_POLICY, stats)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._ready_set: ReadySet | None = None

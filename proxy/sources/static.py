@@ -7,13 +7,14 @@ import time
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 
 
 class StaticSource:
     """A fixed list of replica URLs, given on the command line (`--replicas`)."""
 
-    def __init__(self, urls: tuple[str, ...], policy: str = "least_load") -> None:
+    def __init__(self, urls: tuple[str, ...], policy: str = DEFAULT_POLICY) -> None:
         self._urls = urls
         self._policy = policy
 

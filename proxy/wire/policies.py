@@ -14,3 +14,6 @@ POLICY_NAMES: tuple[str, ...] = (
     "p2c",
     "prefix",
 )
+
+#: The policy of a service or proxy that names none.
+DEFAULT_POLICY = "least_load"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from proxy.wire.errors import SnapshotInvalid
+from proxy.wire.policies import DEFAULT_POLICY
 
 
 class ReadyReplica(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,7 +65,7 @@ class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):
     generation: int
     published_at: float
     status: str = "READY"
-    policy: str = "least_load"
+    policy: str = DEFAULT_POLICY
     active_versions: list[int] = msgspec.field(default_factory=list)
     replicas: tuple[ReadyReplica, ...] = ()
     # Options of the `prefix` policy; None: its defaults. Added after the first release.
