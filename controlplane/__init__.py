@@ -1,7 +1,22 @@
-"""sluice's controller, state store and CLI (`sluice`): Python 3.11+.
+"""sluice's control plane: the controller, the state store and the CLI (`sluice`).
+Python 3.11+.
 
-The proxy package (`sluice-proxy`, and the Sky Serve drop-in `proxy.skyserve`)
-also runs on 3.10, Sky Serve's controller runtime; this package does not.
+Owns everything but the request path, layered so imports go one way (bottom first):
+
+    states, errors, statedir, processes       leaves (only proxy.wire, proxy.redisurl)
+    records, spec/                            what is stored and what the user writes
+    lease, store/                             the only Redis readers/writers
+    prober, lifecycle, rollout, autoscaler    decisions, pure but for the prober's HTTP
+    backends/                                 how replicas run (local, external, skypilot)
+    ops/                                      the ops commands: Redis only, nudge the controller
+    reconcile/                                the controller
+    run/, cli/, display, redisserver, redissentinel   the commands users run
+
+May import from the proxy only `proxy.wire` (the contract), `proxy.redisurl` (Redis URL
+parsing, shared so both sides accept the same URLs) and `proxy.cli` (for
+`sluice proxy`); `python scripts/import_graph.py` checks it. The proxy package
+(`sluice-proxy`, and the Sky Serve drop-in `proxy.skyserve`) also runs on 3.10, Sky
+Serve's controller runtime; this package does not.
 """
 
 import sys

@@ -1,8 +1,8 @@
 """The states of replicas and services, the sets of them the control plane reasons
 about, and the kinds of events it records (the `{p}:svc:{name}:events` stream).
 
-Every status set is defined here once; the transitions between states are in
-controlplane/lifecycle.py (probe results and exits) and the controller.
+Every status set is defined here once; every transition between states is in
+controlplane/lifecycle.py.
 Imports nothing from sluice.
 """
 

@@ -11,6 +11,6 @@
       skypilot_sdk    SkyPilot's SDK behind one adapter (imported lazily)
 
 May import: controlplane.records, controlplane.spec, controlplane.statedir,
-controlplane.processes and the proxy's errors; never the store (backends do not
+controlplane.processes and `proxy.wire`; never the store (backends do not
 touch Redis) nor the controller.
 """
