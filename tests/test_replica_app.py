@@ -12,7 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.fixtures_replicas import ProxyFactory, Replica, ReplicaFactory, free_port, http_get
+from tests.support.ports import free_port
+from tests.support.processes import ProxyFactory, Replica, ReplicaFactory, http_get
 
 
 def raw_exchange(replica: Replica, request: bytes) -> bytes:

@@ -27,7 +27,8 @@ from controlplane.display import duration
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.snapshot import ReadySnapshot
-from tests.fixtures_replicas import HOST, REPO, free_port, http_get
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, http_get
 
 ECHO = REPO / "examples" / "echo.yaml"
 
@@ -785,7 +786,7 @@ service:
   tls:
     keyfile: ~/certs/key.pem
     certfile: ~/certs/cert.pem
-run: exec python -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID
+run: exec python -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID
 """
 
 
@@ -895,7 +896,7 @@ async def test_status_flags_a_proxy_lagging_behind(
     from proxy.readyset import ReadySet
     from proxy.stats import Stats
     from proxy.subscriber import RedisSource
-    from tests.fixtures_redis import eventually
+    from tests.support.poll import until
 
     ops_args = ["--redis", redis_url, "--prefix", redis_prefix]
 
@@ -922,7 +923,7 @@ async def test_status_flags_a_proxy_lagging_behind(
         sets.append(ready_set)
         sources.append(source)
     try:
-        await eventually(lambda: all(s.generation == first.generation for s in sets))
+        await until(lambda: all(s.generation == first.generation for s in sets))
         await sources[1].aclose()  # its last heartbeat stays at the first generation
         for port in (23102, 23103, 23104):
             last = await store.commit("echo", replica_updates=[

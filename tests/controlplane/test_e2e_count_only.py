@@ -29,8 +29,8 @@ from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
-from tests.controlplane.traffic import Traffic
-from tests.fixtures_replicas import ProxyFactory
+from tests.support.processes import ProxyFactory
+from tests.support.traffic import Traffic
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTH_DELAY = 2.0
@@ -51,7 +51,7 @@ def spec(replicas: int) -> ServiceSpec:
                 "replicas": replicas,
             },
             "workdir": str(REPO),
-            "run": f"exec {sys.executable} -m tests.slow_health_replica --port $PORT"
+            "run": f"exec {sys.executable} -m tests.support.slow_health_replica --port $PORT"
             f" --id $SLUICE_REPLICA_ID --health-delay {HEALTH_DELAY}",
         }
     )

@@ -21,9 +21,10 @@ from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import LeaseLost, Mutation, Store
-from tests.controlplane.test_controller import REPO, alive, make_spec, pid_of, ready_view
-from tests.faultproxy import FaultProxy
-from tests.fixtures_redis import eventually
+from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.faultproxy import FaultProxy
+from tests.support.poll import until
+from tests.support.processes import REPO, running
 
 
 class ControllerProcess:
@@ -93,7 +94,7 @@ async def test_two_controllers_with_the_same_holder_one_leads(
         )
 
     # Each logs whether it took the lease or found it taken; both starting up counts.
-    await eventually(lambda: all(roles()), within=30, what="both controllers to start")
+    await until(lambda: all(roles()), timeout=30, what="both controllers to start")
     assert roles() == ["leads", "stands by"], [c.text() for c in controllers]
     holder = await store.lease_holder()
     assert holder is not None and holder.startswith("ctl:") and holder != "ctl"
@@ -103,7 +104,7 @@ async def test_two_controllers_with_the_same_holder_one_leads(
     standby = next(c for c in controllers if c is not leader)
     leader.proc.kill()
     leader.proc.wait()
-    await eventually(lambda: ": leading" in standby.text(), within=30, what="a takeover")
+    await until(lambda: ": leading" in standby.text(), timeout=30, what="a takeover")
     new_holder = await store.lease_holder()
     assert new_holder is not None and new_holder.startswith("ctl:") and new_holder != holder
 
@@ -133,14 +134,14 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         assert await store.acquire_lease("ctl", 60)
         # The fleet needs repair: the paused leader would replace this replica.
         os.killpg(replica_pid, signal.SIGKILL)
-        await eventually(lambda: not alive(replica_pid), what="the replica to die")
+        await until(lambda: not running(replica_pid), what="the replica to die")
         await store.nudge("svc")
         resumed_at = len(leader.text())
         leader.proc.send_signal(signal.SIGCONT)
 
-        await eventually(
+        await until(
             lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-            within=30, what="the resumed leader to step down",
+            timeout=30, what="the resumed leader to step down",
         )  # fmt: skip
         after = leader.text()[resumed_at:]
         assert leader.proc.poll() is None, after
@@ -183,14 +184,14 @@ async def test_a_resumed_leader_s_next_commit_is_refused(
             assert await store.acquire_lease("successor", 60)
             proxy.drop_commands(b"EVALSHA")  # the lease scripts: renewal never answers
             os.killpg(replica_pid, signal.SIGKILL)
-            await eventually(lambda: not alive(replica_pid), what="the replica to die")
+            await until(lambda: not running(replica_pid), what="the replica to die")
             await store.nudge("svc")
             resumed_at = len(leader.text())
             leader.proc.send_signal(signal.SIGCONT)
 
-            await eventually(
+            await until(
                 lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-                within=30, what="the resumed leader to step down",
+                timeout=30, what="the resumed leader to step down",
             )  # fmt: skip
             after = leader.text()[resumed_at:]
             assert "commit refused: the leader lease is successor's" in after, after
@@ -306,10 +307,10 @@ async def test_terminate_on_close_needs_the_lease_to_be_ours_or_free(
             assert await store.acquire_lease("successor", 60)
         await controller.aclose()
         if lease == "expired":  # nobody else leads: stopped, records deleted
-            assert not [pid for pid in pids if alive(pid)]
+            assert not [pid for pid in pids if running(pid)]
             assert await store.replicas("svc") == {}
         else:  # the successor's fleet now: untouched
-            assert all(alive(pid) for pid in pids)
+            assert all(running(pid) for pid in pids)
             assert list(await store.replicas("svc")) == [1]
     finally:
         runner.cancel()

@@ -42,7 +42,8 @@ from controlplane.controller import ControllerConfig, run_controller
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
 from controlplane.spec import parse_spec
 from controlplane.store import Store
-from tests.fixtures_replicas import HOST, REPO, ProxyFactory, ReplicaFactory, free_port, http_get
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, http_get
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"

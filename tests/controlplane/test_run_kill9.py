@@ -26,8 +26,9 @@ from controlplane import ops, processes
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
-from tests.controlplane.test_controller import alive, make_spec, pid_of, ready_view
-from tests.fixtures_replicas import HOST, REPO, free_port
+from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, running
 
 SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
 
@@ -53,7 +54,7 @@ def _comm(pid: int) -> str:
 
 
 def write_spec(path: Path, marker: str, *, setup: bool) -> None:
-    run = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
+    run = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
     key, value = marker.split("=", 1)
     path.write_text(
         # A setup that never ends: bash and its child sleep, one process group.
@@ -183,7 +184,7 @@ async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
         server.kill()
         try:
             await controller.aclose()
-            assert not [pid for pid in pids if alive(pid)]
+            assert not [pid for pid in pids if running(pid)]
         finally:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):

@@ -27,7 +27,8 @@ from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, Local
 from controlplane.cli import cli
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import parse_spec
-from tests.fixtures_replicas import HOST, REPO, ProxyFactory, free_port, http_get
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, ProxyFactory, http_get
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"

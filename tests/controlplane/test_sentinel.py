@@ -16,7 +16,7 @@ from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, Ser
 from controlplane.redissentinel import SentinelGroup
 from controlplane.store import Store, StoreUnavailable
 from proxy.cli import proxy_command
-from tests.fixtures_replicas import REPO
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.slow
 ECHO = REPO / "examples" / "echo.yaml"

@@ -18,7 +18,7 @@ from controlplane.cli import cli
 from controlplane.models import InvalidServiceName, check_service_name
 from controlplane.spec import load_spec, parse_spec
 from controlplane.store import Store
-from tests.fixtures_replicas import REPO
+from tests.support.processes import REPO
 
 ECHO = REPO / "examples" / "echo.yaml"
 

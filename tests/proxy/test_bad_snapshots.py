@@ -24,11 +24,13 @@ from controlplane.store import Store
 from proxy.errors import SnapshotInvalid
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot, decode_snapshot
-from tests.fixtures_replicas import REPO, Proxy, ProxyFactory, ReplicaFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import HOST, get_json, metric, scrape, until
-from tests.proxy.rawhttp import get
-from tests.skyserve_stub import StubController
+from tests.support import rawhttp
+from tests.support.harness import get_json, metric, scrape
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, Proxy, ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
+from tests.support.skyserve_stub import StubController
 
 GOOD_URL = "http://127.0.0.1:8001"
 

@@ -44,9 +44,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures_replicas import Proxy, ProxyFactory
-from tests.proxy import rawhttp
-from tests.proxy.harness import BASE_ARGS, HOST, get_json
+from tests.support import rawhttp
+from tests.support.harness import BASE_ARGS, get_json
+from tests.support.ports import HOST
+from tests.support.processes import Proxy, ProxyFactory
 
 EXAMPLES = int(os.environ.get("SLUICE_DIFF_EXAMPLES", "200"))
 T = TypeVar("T")

@@ -24,15 +24,9 @@ from proxy.policies import (
 )
 from proxy.readyset import ReadySet
 from proxy.snapshot import ReadyReplica, ReadySnapshot
-from tests.fixtures_replicas import ProxyFactory, Replica, ReplicaFactory
-from tests.proxy.harness import (
-    BASE_ARGS,
-    ManualSource,
-    get_json,
-    inprocess_proxy,
-    replica_stats,
-    until,
-)
+from tests.support.harness import BASE_ARGS, ManualSource, get_json, inprocess_proxy, replica_stats
+from tests.support.poll import until
+from tests.support.processes import ProxyFactory, Replica, ReplicaFactory
 
 VALID = ("instance_aware_least_load", "least_load", "p2c", "prefix", "round_robin")
 

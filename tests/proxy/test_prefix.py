@@ -19,9 +19,9 @@ import pytest
 from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
 from proxy.readyset import ReadySet
 from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
-from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
-from tests.proxy.harness import BASE_ARGS, metric, replica_stats, scrape
-from tests.proxy.rawhttp import connect
+from tests.support.harness import BASE_ARGS, metric, replica_stats, scrape
+from tests.support.processes import ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import connect
 
 OPTS = PrefixOptions()
 BLOCK = OPTS.block_bytes
@@ -491,7 +491,8 @@ async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
         conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
                   + body[:300])
         # Poll the replicas until the request reached one (routed before the body ended).
-        from tests.proxy.harness import replica_stats, until
+        from tests.support.harness import replica_stats
+        from tests.support.poll import until
 
         async def arrived() -> bool:
             return any([(await replica_stats(r))["in_flight"] for r in reps])

@@ -21,9 +21,9 @@ from proxy.readyset import ReadySet
 from proxy.snapshot import ReadySnapshot
 from proxy.stats import Stats
 from proxy.subscriber import RedisSource
-from tests.fixtures_redis import eventually
-from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
-from tests.proxy.harness import get_json, until
+from tests.support.harness import get_json
+from tests.support.poll import until
+from tests.support.processes import ProxyFactory, ReplicaFactory
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ async def test_proxy_keeps_serving_and_follows_the_new_primary(
 ) -> None:
     group, store, source, watched = setup
     first = await commit(store, 1, 2)
-    await eventually(lambda: watched.ready_set.generation == first.generation,
+    await until(lambda: watched.ready_set.generation == first.generation,
                      what="the first snapshot")
     old_port = group.primary_port()
 
@@ -108,13 +108,13 @@ async def test_proxy_keeps_serving_and_follows_the_new_primary(
     assert not watched.emptied
     assert [r.url for r in watched.ready_set.replicas] == [replica(1).url, replica(2).url]
     second = await commit(store, 1, 2, 3)  # on the new primary
-    await eventually(lambda: watched.ready_set.generation == second.generation,
-                     within=30.0, what="the commit made on the new primary")
+    await until(lambda: watched.ready_set.generation == second.generation,
+                     timeout=30.0, what="the commit made on the new primary")
     assert len(watched.ready_set.replicas) == 3
-    await eventually(lambda: source.connected, what="the source reconnected")
+    await until(lambda: source.connected, what="the source reconnected")
     third = await commit(store, 1, 3)  # and it follows by subscription from then on
-    await eventually(lambda: watched.ready_set.generation == third.generation,
-                     within=30.0, what="a second commit on the new primary")
+    await until(lambda: watched.ready_set.generation == third.generation,
+                     timeout=30.0, what="a second commit on the new primary")
 
 
 async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
@@ -134,14 +134,14 @@ async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
                              backoff_initial=5.0, backoff_max=5.0)
         await source.start(watched.ready_set)
         try:
-            await eventually(lambda: watched.ready_set.generation == first.generation)
+            await until(lambda: watched.ready_set.generation == first.generation)
             # The sentinels close the demoted primary's clients: the source's too.
             await asyncio.to_thread(group.failover)
-            await eventually(lambda: not source.connected, what="the source to disconnect")
+            await until(lambda: not source.connected, what="the source to disconnect")
             missed = await commit(store, 1, 2)
             assert not source.connected  # published while nobody of ours was subscribed
-            await eventually(lambda: watched.ready_set.generation == missed.generation,
-                             within=30.0, what="the missed commit")
+            await until(lambda: watched.ready_set.generation == missed.generation,
+                             timeout=30.0, what="the missed commit")
             assert len(watched.ready_set.replicas) == 2
         finally:
             await source.aclose()

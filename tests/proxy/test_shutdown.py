@@ -27,10 +27,11 @@ from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
 from proxy.stats import Stats
 from proxy.subscriber import RedisSource
-from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory
-from tests.proxy import rawhttp
-from tests.proxy.harness import HOST, until
-from tests.proxy.rawhttp import get
+from tests.support import rawhttp
+from tests.support.poll import until
+from tests.support.ports import HOST
+from tests.support.processes import Proxy, ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
 
 GRACE = 1.0
 BOUND = 5.0  # seconds on top of the grace a SIGTERMed proxy may take to exit

@@ -1,4 +1,4 @@
-"""Drop-in mode against a stub Sky Serve controller (tests/skyserve_stub.py) with real
+"""Drop-in mode against a stub Sky Serve controller (tests/support/skyserve_stub.py) with real
 replica processes and a real sluice-proxy process."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import trustme
 
 from proxy.skyserve import parse_sync_reply
-from tests.fixtures_replicas import free_port
-from tests.skyserve_stub import StubController
+from tests.support.ports import free_port
+from tests.support.skyserve_stub import StubController
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 paths, two load balancers on one host, --workers 2 with one sync, Sky's instance-aware
 weights, logs in load_balancer.log, path-prefixed replica URLs, Sky's stream timeout as
 the retry deadline, and a bounded request-timestamp buffer. Against the stub controller
-(tests/skyserve_stub.py), real replica processes and real sluice-proxy processes."""
+(tests/support/skyserve_stub.py), real replica processes and real sluice-proxy processes."""
 
 from __future__ import annotations
 
@@ -25,10 +25,12 @@ import trustme
 
 from proxy.policies import InstanceAwareLeastLoad
 from proxy.skyserve import RequestLog, dropin_config, encode_sync_body
-from tests.fixtures_replicas import HOST, Proxy, free_port
-from tests.proxy.harness import ManualSource, ScriptedUpstream, inprocess_proxy, until
 from tests.proxy.test_policies import Fake
-from tests.skyserve_stub import StubController
+from tests.support.harness import ManualSource, ScriptedUpstream, inprocess_proxy
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import Proxy
+from tests.support.skyserve_stub import StubController
 
 
 @pytest.fixture

@@ -16,10 +16,12 @@ import aiohttp
 import pytest
 
 from proxy.supervisor import RestartPolicy, worker_argv
-from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import BASE_ARGS, HOST, metric, scrape, until
-from tests.proxy.rawhttp import get
+from tests.support import rawhttp
+from tests.support.harness import BASE_ARGS, metric, scrape
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import Proxy, ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
 
 BIN = Path(sys.executable).parent
 ENTRY_POINTS = {

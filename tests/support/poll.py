@@ -1,0 +1,65 @@
+"""The one poller: wait for a condition with a bounded poll, never a fixed sleep.
+
+`await until(check, timeout=10.0, what="...")` calls `check` (a plain function, or
+one returning an awaitable) until it returns something truthy, and returns that value.
+After `timeout` seconds it fails with an AssertionError naming `what` was awaited and
+the last value `check` returned. An exception raised by `check` propagates at once
+(an assert inside `check` fails the test without waiting for the timeout).
+
+`until_sync(...)` is the same loop for synchronous tests (CLI runs, blocking
+processes): same arguments, same failure message, `time.sleep` between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+INTERVAL = 0.02
+
+
+def _timed_out(timeout: float, what: str, last: Any) -> AssertionError:
+    return AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+async def until(
+    check: Callable[[], T | Awaitable[T]],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    interval: float = INTERVAL,
+) -> T:
+    """Poll `check` (sync or async) until it returns something truthy; return that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise _timed_out(timeout, what, result)
+        await asyncio.sleep(interval)
+
+
+def until_sync(
+    check: Callable[[], T],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    interval: float = INTERVAL,
+) -> T:
+    """`until` for synchronous tests: poll `check` until truthy; return that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise _timed_out(timeout, what, result)
+        time.sleep(interval)
