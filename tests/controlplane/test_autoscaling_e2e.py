@@ -20,12 +20,11 @@ from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
-from tests.support.processes import ProxyFactory
+from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
 PROBE = {
     "path": "/health",

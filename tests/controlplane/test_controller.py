@@ -159,10 +159,10 @@ async def test_up_serves_the_replicas_then_down_removes_everything(
     await ops.down(store, "svc")
     await until(lambda: not any(running(pid) for pid in pids), timeout=15, what="terminated")
 
-    deadline = time.monotonic() + 15
-    while await store.services():
-        assert time.monotonic() < deadline, "service not unregistered"
-        await asyncio.sleep(0.05)
+    async def unregistered() -> bool:
+        return not await store.services()
+
+    await until(unregistered, timeout=15, what="the service to be unregistered")
     final = await store.snapshot("svc")
     assert final is not None and final.status == "SHUTTING_DOWN" and final.replicas == ()
 
@@ -259,10 +259,10 @@ async def test_drain_keeps_an_in_flight_request_alive(
 
     async with aiohttp.ClientSession() as session:
         requests = [asyncio.create_task(slow(session)) for _ in range(2)]
-        deadline = time.monotonic() + 5
-        while [await in_flight(r.url or "") for r in view.replicas] != [1, 1]:
-            assert time.monotonic() < deadline, "the slow requests did not spread"
-            await asyncio.sleep(0.02)
+        async def spread() -> bool:
+            return [await in_flight(r.url or "") for r in view.replicas] == [1, 1]
+
+        await until(spread, timeout=5, what="one slow request on each replica")
         await ops.update(store, "svc", make_spec(1))
         draining = await ops.wait_for(
             store, "svc", lambda v: any(r.status == "SHUTTING_DOWN" for r in v.replicas), 5
@@ -529,11 +529,11 @@ async def test_leader_failover_adopts_the_replicas(
     standby_started = asyncio.Event()
     standby: asyncio.Task[None] | None = None
     try:
-        deadline = time.monotonic() + 15
-        while not (await store.lease_holder() or "").startswith("leader:"):
+        async def leading() -> bool:
             assert leader.poll() is None, (tmp_path / "leader.log").read_text()
-            assert time.monotonic() < deadline, "the leader never took the lease"
-            await asyncio.sleep(0.05)
+            return (await store.lease_holder() or "").startswith("leader:")
+
+        await until(leading, timeout=15, what="the leader to take the lease")
         standby = asyncio.create_task(
             run_controller(dataclasses.replace(config, holder="standby"), started=standby_started)
         )

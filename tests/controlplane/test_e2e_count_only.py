@@ -29,10 +29,10 @@ from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
-from tests.support.processes import ProxyFactory
+from tests.support.poll import until
+from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
 
-REPO = Path(__file__).resolve().parents[2]
 HEALTH_DELAY = 2.0
 UPDATES = 10
 RATE = 20.0
@@ -69,10 +69,8 @@ async def settled(store: Store, n: int) -> ops.ServiceView:
 
 async def served_by(traffic: Traffic, replica: str, within: float = 10.0) -> None:
     """Until `replica` answered 3 requests."""
-    deadline = time.monotonic() + within
-    while sum(o.replica == replica for o in traffic.outcomes) < 3:
-        assert time.monotonic() < deadline, f"replica {replica} never served"
-        await asyncio.sleep(0.05)
+    await until(lambda: sum(o.replica == replica for o in traffic.outcomes) >= 3,
+                timeout=within, what=f"replica {replica} to serve 3 requests")  # fmt: skip
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,6 +63,13 @@ def controllers(redis_url: str, redis_prefix: str, tmp_path: Path) -> Iterator[
     yield started
     for controller in started:
         controller.stop()
+
+
+def lease_expired(store: Store) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await store.lease_holder() is None
+
+    return check
 
 
 def controller_argv(
@@ -128,9 +135,7 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         leader.proc.send_signal(signal.SIGSTOP)
         # Past its TTL: the lease expires, and a successor takes it. Its value is what a
         # second controller started with the same --holder used to write.
-        async with asyncio.timeout(20):
-            while await store.lease_holder() is not None:
-                await asyncio.sleep(0.05)
+        await until(lease_expired(store), timeout=20, what="the lease to expire")
         assert await store.acquire_lease("ctl", 60)
         # The fleet needs repair: the paused leader would replace this replica.
         os.killpg(replica_pid, signal.SIGKILL)
@@ -178,9 +183,7 @@ async def test_a_resumed_leader_s_next_commit_is_refused(
         replica_pid = pid_of(before[1])
         try:
             leader.proc.send_signal(signal.SIGSTOP)
-            async with asyncio.timeout(30):
-                while await store.lease_holder() is not None:
-                    await asyncio.sleep(0.05)
+            await until(lease_expired(store), timeout=30, what="the lease to expire")
             assert await store.acquire_lease("successor", 60)
             proxy.drop_commands(b"EVALSHA")  # the lease scripts: renewal never answers
             os.killpg(replica_pid, signal.SIGKILL)

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from controlplane.controller import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
 from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.poll import until_sync
 from tests.support.ports import HOST, free_port
 from tests.support.processes import REPO, running
 
@@ -87,13 +87,12 @@ def sluice_run(spec: Path, state: Path, log: Path) -> Iterator[subprocess.Popen[
         proc.wait(10)
 
 
-def wait_for(predicate: object, within: float, what: str, log: Path) -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}\n{log.read_text()}")
-        time.sleep(0.05)  # polling other processes' state; bounded by the deadline
+def wait_for(predicate: Callable[[], object], within: float, what: str, log: Path) -> None:
+    """`until_sync`, with the run's log in the failure."""
+    try:
+        until_sync(predicate, timeout=within, what=what, interval=0.05)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{log.read_text()}")
 
 
 @pytest.mark.slow
@@ -129,11 +128,8 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
             if setup:
                 # Its handle file follows the spawn by microseconds; no need to fail here
                 # if it never comes (that is what the assertion below catches).
-                deadline = time.monotonic() + 5
-                while not (state / "k9" / "setup-v1.json").exists():
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.05)
+                with contextlib.suppress(AssertionError):
+                    until_sync((state / "k9" / "setup-v1.json").exists, timeout=5)
             pids = json.loads((state / "run.json").read_text())["pids"]
             started = {role: (pid, processes.start_time(pid)) for role, pid in pids.items()}
             started["run"] = (run.pid, processes.start_time(run.pid))

@@ -6,7 +6,6 @@ Also the local backend alone: a replica never inherits the controller's Redis UR
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -14,41 +13,23 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
-from click.testing import CliRunner
 
 from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
-from controlplane.cli import cli
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import parse_spec
+from tests.support.cli import sluice
+from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, ProxyFactory, http_get
+from tests.support.processes import REPO, ProxyFactory, descendants, http_get, kill_all
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else []:
-        with contextlib.suppress(OSError):
-            for kid in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                out += [int(kid), *_descendants(int(kid))]
-    return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text[text.rfind(")") + 2] not in "ZX"
 
 
 def _mode(path: Path) -> int:
@@ -105,27 +86,23 @@ def sluice_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                                 stderr=subprocess.STDOUT)  # fmt: skip
     started: set[int] = {proc.pid}
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def served() -> bool:
             assert proc.poll() is None, f"sluice run exited:\n{log.read_text()}"
             with contextlib.suppress(OSError):
-                if http_get(HOST, port, "/hello", timeout=2.0)[0] == 200:
-                    break
-            assert time.monotonic() < deadline, f"no 200 within 60s:\n{log.read_text()}"
-            time.sleep(0.1)
+                return http_get(HOST, port, "/hello", timeout=2.0)[0] == 200
+            return False
+
+        until_sync(served, timeout=60, what=f"a 200 from /hello on port {port}")
         info = json.loads((state / "run.json").read_text())
-        started.update(_descendants(proc.pid))
+        started.update(descendants(proc.pid))
         yield Run(proc, state, log, env_out, info, sorted(started))
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         assert not (state / "redis" / "password").exists()  # removed with run.json
     finally:
         if proc.poll() is None:
-            started.update(_descendants(proc.pid))
-        for pid in started:
-            if _running(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            started.update(descendants(proc.pid))
+        kill_all(started)
         proc.wait(10)
     assert "Traceback" not in log.read_text()
 
@@ -153,8 +130,7 @@ def test_embedded_redis_refuses_clients_without_the_password(sluice_run: Run) ->
     finally:
         stranger.close()
     # The ops commands find the password through the state dir.
-    argv = ["status", "envdump", "--json", "--state-dir", str(sluice_run.state)]
-    status = CliRunner().invoke(cli, argv, env={"SLUICE_REDIS_URL": ""})
+    status = sluice("status", "envdump", "--json", "--state-dir", str(sluice_run.state))
     assert status.exit_code == 0, status.output
     assert json.loads(status.stdout)[0]["ready"] == 1
 
@@ -230,10 +206,7 @@ async def test_local_replica_never_inherits_the_controllers_redis_url(tmp_path: 
                        "run": 'env -0 >"$OUT.tmp"; mv "$OUT.tmp" "$OUT"; exec sleep 30'})
     launched = await backend.launch("svc", 1, 1, spec)
     try:
-        deadline = time.monotonic() + 10
-        while not out.exists():
-            assert time.monotonic() < deadline, "the replica wrote no environment dump"
-            await asyncio.sleep(0.02)
+        await until(out.exists, timeout=10, what="the replica's environment dump")
         env = _env_dump(out)
     finally:
         await backend.terminate(launched.handle)

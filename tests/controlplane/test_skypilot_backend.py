@@ -36,9 +36,9 @@ from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Mutation, Store
 from tests.support.poll import until
+from tests.support.processes import REPO
 from tests.support.skypilot_fake import FakeSkyPilot
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
 PROBE: dict[str, Any] = {
     "path": "/health",
@@ -523,11 +523,10 @@ async def test_down_tears_every_cluster_down(
     fake.fail_downs = 1  # one sky.down error on the way: retried
     await ops.down(store, "svc")
 
-    async def gone() -> None:
-        while "svc" in await store.services():
-            await asyncio.sleep(0.05)
+    async def gone() -> bool:
+        return "svc" not in await store.services()
 
-    await asyncio.wait_for(gone(), timeout=30)
+    await until(gone, timeout=30, what="the service to be unregistered")
     assert fake.names() == []
 
 

@@ -9,30 +9,17 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
 
-from controlplane.cli import cli
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store
+from tests.support.cli import one_line_error, sluice
+from tests.support.processes import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "examples" / "echo.yaml"
 
 needs_no_skypilot = pytest.mark.skipif(
     importlib.util.find_spec("sky") is not None, reason="SkyPilot is installed in this venv"
 )
-
-
-def sluice(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result: Result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from controlplane.spec import (
     parse_spec,
     port_ranges,
 )
+from tests.support.processes import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 AUTOSCALE = {"min_replicas": 1, "max_replicas": 3, "target_qps_per_replica": 2}
 

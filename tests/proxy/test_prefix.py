@@ -18,7 +18,8 @@ import pytest
 
 from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
 from proxy.readyset import ReadySet
-from proxy.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from proxy.snapshot import PrefixOptions, ReadySnapshot
+from tests.support import builders
 from tests.support.harness import BASE_ARGS, metric, replica_stats, scrape
 from tests.support.processes import ProxyFactory, ReplicaFactory
 from tests.support.rawhttp import connect
@@ -159,9 +160,8 @@ def test_prefix_chain_is_a_chain() -> None:
 
 
 def snapshot(gen: int, *urls: str, options: PrefixOptions | None = None) -> ReadySnapshot:
-    return ReadySnapshot(service="s", generation=gen, published_at=0.0, policy="prefix",
-                         prefix_options=options,
-                         replicas=tuple(ReadyReplica(id=i, url=u) for i, u in enumerate(urls)))
+    """A snapshot of the prefix policy (its options: `options`)."""
+    return builders.snapshot(gen, *urls, policy="prefix", prefix_options=options)
 
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]

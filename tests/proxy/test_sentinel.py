@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ServiceRecord, ServiceStatus
 from controlplane.redissentinel import SentinelGroup
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
@@ -21,29 +21,20 @@ from proxy.readyset import ReadySet
 from proxy.snapshot import ReadySnapshot
 from proxy.stats import Stats
 from proxy.subscriber import RedisSource
+from tests.support.builders import replica
 from tests.support.harness import get_json
-from tests.support.poll import until
+from tests.support.poll import retrying, until
 from tests.support.processes import ProxyFactory, ReplicaFactory
 
 pytestmark = pytest.mark.slow
 
 
-def replica(i: int) -> ReplicaRecord:
-    return ReplicaRecord(id=i, status=ReplicaStatus.READY, url=f"http://127.0.0.1:{22000 + i}")
-
-
 async def commit(store: Store, *ids: int) -> ReadySnapshot:
     """Commit, riding over the connections a failover closes (the controller's loop
     does the same on its next step)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while True:
-        try:
-            return await store.commit("svc", replica_updates=[replica(i) for i in ids])
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    records = [replica(i) for i in ids]
+    return await retrying(lambda: store.commit("svc", replica_updates=records),
+                          on=(StoreUnavailable,))  # fmt: skip
 
 
 class Watched:
@@ -188,17 +179,9 @@ async def test_a_real_proxy_answers_every_request_through_a_failover(
 
 
 async def commit_urls(store: Store, urls: list[str]) -> ReadySnapshot:
-    records = [ReplicaRecord(id=i, status=ReplicaStatus.READY, url=url)
-               for i, url in enumerate(urls, start=1)]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while True:
-        try:
-            return await store.commit("svc", replica_updates=records)
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    records = [replica(i, url=url) for i, url in enumerate(urls, start=1)]
+    return await retrying(lambda: store.commit("svc", replica_updates=records),
+                          on=(StoreUnavailable,))  # fmt: skip
 
 
 async def _generation(admin_url: str, at_least: int = 1) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord, ServiceStatus
+from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Keys, Store
 from proxy.config import ProxyConfig
@@ -27,6 +27,8 @@ from proxy.subscriber import (
     rps_key,
     snapshot_key,
 )
+from tests.support import builders
+from tests.support.builders import registered, replica
 from tests.support.poll import until
 
 
@@ -89,22 +91,14 @@ async def start_proxy(redis_url: str, redis_prefix: str) -> AsyncIterator[StartP
         proxy.ready_set.close()
 
 
-def replica(i: int, status: ReplicaStatus = ReplicaStatus.READY) -> ReplicaRecord:
-    return ReplicaRecord(id=i, status=status, url=f"http://127.0.0.1:{21000 + i}")
-
-
 def snapshot(generation: int, *ids: int, service: str = "svc") -> ReadySnapshot:
-    return ReadySnapshot(
-        service=service,
-        generation=generation,
-        published_at=0.0,
-        active_versions=[1],
-        replicas=tuple(ReadyReplica(id=i, url=f"http://127.0.0.1:{29000 + i}") for i in ids),
-    )
+    """Replicas `ids` at 127.0.0.1 ports 29000 + id (unlike the committed ones)."""
+    infos = (ReadyReplica(id=i, url=f"http://127.0.0.1:{29000 + i}") for i in ids)
+    return builders.snapshot(generation, *infos, service=service, active_versions=[1])
 
 
 async def register(store: Store) -> None:
-    await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY), b"{}")
+    await registered(store, spec=b"{}")
 
 
 def test_key_names_match_the_store() -> None:
@@ -275,7 +269,7 @@ async def test_two_proxies_converge(store: Store, start_proxy: StartProxy) -> No
     last = None
     for i in range(60):
         status = ReplicaStatus.READY if i % 2 else ReplicaStatus.NOT_READY
-        last = await store.commit("svc", replica_updates=[replica(1), replica(2, status)])
+        last = await store.commit("svc", replica_updates=[replica(1), replica(2, status=status)])
     assert last is not None
     await until(lambda: one.generation == two.generation == last.generation)
     assert one.ready_set.snapshot == two.ready_set.snapshot == last

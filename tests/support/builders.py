@@ -9,11 +9,14 @@ field with a default changes one function, not twenty tests.
 - `make_spec(replicas, ...)`: a `ServiceSpec` running `tests.support.replica_app` from
   this checkout (probe settings fast enough for tests), and `pid_of(record)`.
 - `ready_view(store, name, n)`: wait until a service has exactly n READY replicas.
+- `Fake` / `fakes(*loads)`: stand-in replicas for the pure policies (what a policy
+  reads of a replica: name, in-flight count, accelerator, target QPS).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from controlplane import ops
@@ -73,6 +76,22 @@ def snapshot(
     )
     fields.setdefault("published_at", 0.0)
     return ReadySnapshot(service=service, generation=generation, replicas=infos, **fields)
+
+
+# -- what the pure policies choose from --------------------------------------------------
+
+
+@dataclass(eq=False)  # hashed by identity, like the real Replica
+class Fake:
+    name: str
+    inflight: int = 0
+    accelerator: str | None = None
+    target_qps: float | None = None
+
+
+def fakes(*loads: int) -> list[Fake]:
+    """Fakes named r0, r1, ... with these in-flight counts."""
+    return [Fake(f"r{i}", load) for i, load in enumerate(loads)]
 
 
 # -- specs of services that run real replicas ----------------------------------------------

@@ -8,6 +8,10 @@ the last value `check` returned. An exception raised by `check` propagates at on
 
 `until_sync(...)` is the same loop for synchronous tests (CLI runs, blocking
 processes): same arguments, same failure message, `time.sleep` between polls.
+
+`await retrying(call, on=(SomeError,), timeout=30.0)` is its twin for a call that fails
+for a while (a store call across a Redis failover): it awaits `call()` again while it
+raises one of `on`, and re-raises the last error after `timeout`.
 """
 
 from __future__ import annotations
@@ -63,3 +67,21 @@ def until_sync(
         if time.monotonic() > deadline:
             raise _timed_out(timeout, what, result)
         time.sleep(interval)
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    *,
+    on: tuple[type[BaseException], ...],
+    timeout: float = 30.0,
+    interval: float = 0.05,
+) -> T:
+    """Await `call()` until it does not raise one of `on`; return its result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await call()
+        except on:
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(interval)

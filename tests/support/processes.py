@@ -27,6 +27,7 @@ import http.client
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -44,6 +45,19 @@ REPO = Path(__file__).resolve().parents[2]
 def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     """Blocking GET, for fixtures and sync checks: (status, body)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def https_get(
+    host: str, port: int, path: str, context: ssl.SSLContext, timeout: float = 2.0
+) -> tuple[int, bytes]:
+    """Blocking GET over TLS: (status, body)."""
+    conn = http.client.HTTPSConnection(host, port, context=context, timeout=timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
