@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -20,12 +19,12 @@ from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
+from tests.support.builders import RUN
 from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
 
 pytestmark = pytest.mark.slow
 
-RUN = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
 PROBE = {
     "path": "/health",
     "endpoint_probe_interval_seconds": 0.2,

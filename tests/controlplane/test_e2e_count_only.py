@@ -29,6 +29,7 @@ from controlplane import ops
 from controlplane.controller import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
+from tests.support.builders import ready_view
 from tests.support.poll import until
 from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
@@ -59,12 +60,7 @@ def spec(replicas: int) -> ServiceSpec:
 
 async def settled(store: Store, n: int) -> ops.ServiceView:
     """n replicas, all READY, nothing draining."""
-    return await ops.wait_for(
-        store,
-        "llm",
-        lambda v: len(v.replicas) == n and all(r.status == "READY" for r in v.replicas),
-        timeout=30,
-    )
+    return await ready_view(store, "llm", n)
 
 
 async def served_by(traffic: Traffic, replica: str, within: float = 10.0) -> None:

@@ -49,6 +49,7 @@ from controlplane.rollout import plan_rollout, scale_down_order
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.store import MutationPlan, Store
 from proxy.snapshot import ReadySnapshot
+from tests.support import builders
 
 NAME = "svc"
 DRAIN = 5.0
@@ -509,7 +510,7 @@ async def test_an_ops_write_between_read_and_commit_makes_the_controller_plan_ag
 
 
 def _replica(i: int, version: int, status: ReplicaStatus) -> ReplicaRecord:
-    return ReplicaRecord(id=i, version=version, status=status, url=f"http://127.0.0.1:{i}")
+    return builders.replica(i, version=version, status=status)  # short, for the tables below
 
 
 def test_rollout_rules() -> None:

@@ -35,18 +35,11 @@ from controlplane.controller import Controller, ControllerConfig
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Mutation, Store
+from tests.support.builders import PROBE, RUN, ready_view
 from tests.support.poll import until
 from tests.support.processes import REPO
 from tests.support.skypilot_fake import FakeSkyPilot
 
-RUN = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
-PROBE: dict[str, Any] = {
-    "path": "/health",
-    "endpoint_probe_interval_seconds": 0.2,
-    "timeout_seconds": 2,
-    "initial_delay_seconds": 20,
-    "consecutive_failure_threshold_timeout": 2,
-}
 FAST = SkyPilotConfig(
     namespace="t",
     launch_timeout=20.0,
@@ -379,14 +372,7 @@ async def start_controller(
 
 
 async def ready(store: Store, name: str, n: int, version: int | None = None) -> ops.ServiceView:
-    def done(view: ops.ServiceView) -> bool:
-        return (
-            len(view.replicas) == n
-            and all(r.status == "READY" for r in view.replicas)
-            and (version is None or all(r.version == version for r in view.replicas))
-        )
-
-    return await ops.wait_for(store, name, done, timeout=60)
+    return await ready_view(store, name, n, version, timeout=60)  # a cloud launch is slower
 
 
 async def test_replicas_are_clusters_and_a_count_only_update_relaunches_nothing(

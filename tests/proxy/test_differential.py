@@ -46,6 +46,7 @@ from hypothesis import strategies as st
 
 from tests.support import rawhttp
 from tests.support.harness import BASE_ARGS, get_json
+from tests.support.poll import until
 from tests.support.ports import HOST
 from tests.support.processes import Proxy, ProxyFactory
 
@@ -480,8 +481,10 @@ async def run_example(bench: Bench, session: list[list[Batch]]) -> Outcome:
     async with asyncio.timeout(90):
         await asyncio.gather(*(run_client(bench.proxy.port, i, batches, out)
                                for i, batches in enumerate(session)))
-        while await inflight(bench.proxy):  # bounded by the timeout above
-            await asyncio.sleep(0.02)
+        async def drained() -> bool:
+            return await inflight(bench.proxy) == 0
+
+        await until(drained, timeout=90, what="no request in flight at the proxy")
     if sum(r.garbage for r in bench.replicas) != garbage:
         out.problems.append("a replica received bytes it could not parse as HTTP")
     arrivals = [a for r, n in zip(bench.replicas, before, strict=True) for a in r.arrivals[n:]]

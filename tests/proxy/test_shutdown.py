@@ -40,14 +40,10 @@ ARGS = ("--host", HOST, "--shutdown-grace", str(GRACE), "--empty-wait", "60",
 
 
 async def exits_within(proxy: Proxy, seconds: float) -> float:
-    """Poll the process until it exits; fail (with its log) if it is alive after `seconds`.
+    """Wait until the process exits; fail (with its log) if it is alive after `seconds`.
     Returns how long it took."""
     started = time.monotonic()
-    deadline = started + seconds
-    while proxy.alive:
-        if time.monotonic() > deadline:
-            pytest.fail(f"proxy still running {seconds:.0f}s after SIGTERM:\n{proxy.output()}")
-        await asyncio.sleep(0.05)
+    await proxy.exited(seconds)
     return time.monotonic() - started
 
 

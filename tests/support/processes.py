@@ -155,6 +155,18 @@ class Process:
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)
 
+    async def exited(self, within: float) -> int:
+        """Poll until the process exits (without blocking the loop) and return its code;
+        fail, with its output, if it still runs after `within` seconds."""
+        try:
+            await until(lambda: not self.alive, timeout=within, what=f"{self!r} to exit",
+                        interval=0.05)  # fmt: skip
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{self.output()}")
+        code = self.returncode
+        assert code is not None
+        return code
+
     def stop(self, timeout: float = 5.0) -> int:
         """SIGTERM, wait up to timeout, then SIGKILL it and its children."""
         self.send(signal.SIGTERM)
