@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -31,13 +31,25 @@ def _timed_out(timeout: float, what: str, last: Any) -> AssertionError:
     return AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
+@overload
 async def until(
-    check: Callable[[], T | Awaitable[T]],
+    check: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = ...,
+    what: str = ...,
+    interval: float = ...,
+) -> T: ...
+@overload
+async def until(
+    check: Callable[[], T], *, timeout: float = ..., what: str = ..., interval: float = ...
+) -> T: ...
+async def until(
+    check: Callable[[], Any],
     *,
     timeout: float = 10.0,
     what: str = "condition",
     interval: float = INTERVAL,
-) -> T:
+) -> Any:
     """Poll `check` (sync or async) until it returns something truthy; return that value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -45,7 +57,7 @@ async def until(
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if time.monotonic() > deadline:
             raise _timed_out(timeout, what, result)
         await asyncio.sleep(interval)
