@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from proxy.snapshot import ReadySnapshot
 from tests.support.cli import one_line_error, redis_keys, sluice
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, descendants, http_get, kill_all, running
+from tests.support.processes import REPO, descendants, http_get, kill_all, running, sluice_child
 
 ECHO = REPO / "examples" / "echo.yaml"
 
@@ -566,24 +565,6 @@ async def test_follow_snapshots_unreachable() -> None:
 # -- real processes --------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _process(
-    argv: list[str], log: Path, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A child of this test; on the way out, it and whatever it started are SIGKILLed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO,
-                                env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                kill_all([proc.pid, *descendants(proc.pid)])
-            proc.wait(10)
-
-
 def _wait_http_200(proc: subprocess.Popen[bytes], port: int, log: Path, within: float) -> None:
     def answered() -> bool:
         assert proc.poll() is None, f"sluice run exited with {proc.returncode}:\n{log.read_text()}"
@@ -604,7 +585,7 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     argv = ["run", str(ECHO), "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
-    with _process(argv, log) as proc:
+    with sluice_child(argv, log) as proc:
         _wait_http_200(proc, port, log, within=60)
 
         info = json.loads((state / "run.json").read_text())
@@ -660,7 +641,7 @@ def test_run_with_a_sentinel_url_serves_and_stops(
     argv = ["run", str(ECHO), "--redis", group.url, "--prefix", redis_prefix,
             "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
-    with _process(argv, log) as proc:
+    with sluice_child(argv, log) as proc:
         _wait_http_200(proc, port, log, within=60)
         info = json.loads((state / "run.json").read_text())
         assert info["redis_url"] == group.url
@@ -687,7 +668,7 @@ def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "follow.out"
     # Follows by default (as `sky serve logs`); --tail N with --follow: the last N, then on.
     argv = ["logs", "svc", "--controller", "--state-dir", str(state), *extra]
-    with _process(argv, out) as proc:
+    with sluice_child(argv, out) as proc:
         def printed(text: str) -> bool:
             assert proc.poll() is None, out.read_text()
             return out.read_text() == text
@@ -705,7 +686,7 @@ def test_snapshot_watch_follows_generations_until_ctrl_c(
     tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: str
 ) -> None:
     log = tmp_path / "watch.log"
-    with _process(["snapshot", "echo", "--watch", "--json", *echo_up], log) as proc:
+    with sluice_child(["snapshot", "echo", "--watch", "--json", *echo_up], log) as proc:
 
         def lines(n: int) -> list[ReadySnapshot]:
             def printed() -> list[str] | None:
@@ -772,7 +753,7 @@ def test_run_serves_https_with_tls_paths_under_home(tmp_path: Path) -> None:
             "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
     context = ssl.create_default_context()
     ca.configure_trust(context)
-    with _process(argv, log, env={"HOME": str(home)}) as proc:
+    with sluice_child(argv, log, env={"HOME": str(home)}) as proc:
         def served() -> bool:
             assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
             with contextlib.suppress(OSError):

@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from controlplane.store import LeaseLost, Mutation, Store
 from tests.support.builders import make_spec, pid_of, ready_view
 from tests.support.faultproxy import FaultProxy
 from tests.support.poll import until
-from tests.support.processes import REPO, running
+from tests.support.processes import running, spawn_sluice
 
 
 class ControllerProcess:
@@ -32,13 +31,7 @@ class ControllerProcess:
 
     def __init__(self, log: Path, argv: list[str]) -> None:
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controlplane.cli", "controller", *argv],
-                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        self.proc = spawn_sluice(["controller", *argv], log)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")

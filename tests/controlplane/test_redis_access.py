@@ -24,7 +24,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -43,7 +42,14 @@ from controlplane.store import Store
 from tests.support.cli import sluice
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, descendants, http_get
+from tests.support.processes import (
+    REPO,
+    ProxyFactory,
+    ReplicaFactory,
+    descendants,
+    http_get,
+    spawn_sluice,
+)
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"
@@ -331,16 +337,12 @@ def test_sluice_run_and_every_command_over_tls(
     idle = tmp_path / "idle.yaml"
     idle.write_text(IDLE_SPEC)
     state, log, port = tmp_path / "state", tmp_path / "run.log", free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
-           "SLUICE_REDIS_URL": server.url}  # fmt: skip
-    env.pop("SLUICE_REDIS_CA_FILE", None)
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec), "--redis-ca-file",
-            str(ca), "--state-dir", str(state), "--host", HOST, "--port", str(port),
-            "--drain-seconds", "0", "--down-timeout", "20"]  # fmt: skip
+    env = {"SLUICE_REDIS_URL": server.url, "SLUICE_REDIS_CA_FILE": None}
+    argv = ["run", str(spec), "--redis-ca-file", str(ca), "--state-dir", str(state),
+            "--host", HOST, "--port", str(port), "--drain-seconds", "0",
+            "--down-timeout", "20"]  # fmt: skip
     explicit = ["--redis", server.url, "--redis-ca-file", str(ca), "--state-dir", str(tmp_path)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+    proc = spawn_sluice(argv, log, env)
     try:
         def served() -> bool:  # the controller launched the replica, the proxy follows it
             assert proc.poll() is None, f"sluice run exited:\n{log.read_text()}"

@@ -28,7 +28,7 @@ from controlplane.store import Store
 from tests.support.builders import make_spec, pid_of, ready_view
 from tests.support.poll import until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, running
+from tests.support.processes import REPO, running, spawn_sluice
 
 SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
 
@@ -72,13 +72,9 @@ def write_spec(path: Path, marker: str, *, setup: bool) -> None:
 
 @contextlib.contextmanager
 def sluice_run(spec: Path, state: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec), "-n", "k9",
-            "--state-dir", str(state), "--host", HOST, "--port", str(free_port()),
-            "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    argv = ["run", str(spec), "-n", "k9", "--state-dir", str(state), "--host", HOST,
+            "--port", str(free_port()), "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    proc = spawn_sluice(argv, log)
     try:
         yield proc
     finally:

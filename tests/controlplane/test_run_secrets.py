@@ -12,7 +12,6 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,14 @@ from controlplane.spec import parse_spec
 from tests.support.cli import sluice
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, ProxyFactory, descendants, http_get, kill_all
+from tests.support.processes import (
+    REPO,
+    ProxyFactory,
+    descendants,
+    http_get,
+    kill_all,
+    spawn_sluice,
+)
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"
@@ -73,17 +79,12 @@ def sluice_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     spec = tmp / "envdump.yaml"
     spec.write_text(SPEC.format(workdir=REPO / "examples", env_out=env_out))
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
-           "MY_CLOUD_TOKEN": HOST_SECRET, "CUDA_VISIBLE_DEVICES": "0",
-           "LC_ALL": "C.UTF-8"}  # fmt: skip
-    for name in ("SLUICE_REDIS_URL", "SLUICE_REDIS_CA_FILE", "SLUICE_STATE_DIR"):
-        env.pop(name, None)
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec),
-            "--state-dir", str(state), "--host", HOST, "--port", str(port),
+    env = {"MY_CLOUD_TOKEN": HOST_SECRET, "CUDA_VISIBLE_DEVICES": "0", "LC_ALL": "C.UTF-8",
+           "SLUICE_REDIS_URL": None, "SLUICE_REDIS_CA_FILE": None,
+           "SLUICE_STATE_DIR": None}  # fmt: skip
+    argv = ["run", str(spec), "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "0", "--down-timeout", "20"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+    proc = spawn_sluice(argv, log, env)
     started: set[int] = {proc.pid}
     try:
         def served() -> bool:
