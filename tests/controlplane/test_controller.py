@@ -37,6 +37,7 @@ from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.snapshot import ReadySnapshot, decode_snapshot
 from tests.support.builders import PROBE, RUN, make_spec, pid_of, ready_view
+from tests.support.controllers import Controllers, proxy_for
 from tests.support.poll import until
 from tests.support.ports import free_port
 from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, running
@@ -63,20 +64,13 @@ def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfi
 async def start_controller(
     store: Store, config: ControllerConfig
 ) -> AsyncIterator[StartController]:
-    running: list[tuple[Controller, asyncio.Task[None]]] = []
+    controllers = Controllers()
 
     async def start(**overrides: Any) -> Controller:
-        controller = Controller(store, dataclasses.replace(config, **overrides))
-        await controller.start()
-        running.append((controller, asyncio.create_task(controller.run())))
-        return controller
+        return await controllers.start(store, dataclasses.replace(config, **overrides))
 
     yield start
-    for controller, task in reversed(running):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await controller.aclose()
+    await controllers.aclose()
 
 
 class SnapshotWatcher:
@@ -115,14 +109,6 @@ class SnapshotWatcher:
 
 async def event_kinds(store: Store, name: str) -> list[str]:
     return [e.kind for e in await store.events(name, count=1000)]
-
-
-async def proxy_for(proxy_factory: ProxyFactory, redis_url: str, prefix: str, name: str) -> str:
-    proxy = await proxy_factory.astart(
-        "--redis", redis_url, "--service", name, "--redis-prefix", prefix,
-        "--shutdown-grace", "1", wait="ready",
-    )  # fmt: skip
-    return proxy.url
 
 
 # -- lifecycle with real replicas ----------------------------------------------------------

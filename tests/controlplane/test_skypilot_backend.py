@@ -5,11 +5,9 @@ for clusters) with a real redis-server and real replica processes."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import io
 import re
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,8 @@ from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Mutation, Store
 from tests.support.builders import PROBE, RUN, ready_view
-from tests.support.poll import until
+from tests.support.controllers import Controllers
+from tests.support.poll import must_finish, until
 from tests.support.processes import REPO
 from tests.support.skypilot_fake import FakeSkyPilot
 
@@ -73,16 +72,6 @@ def make_spec(
             "run": RUN,
         }
     )
-
-
-async def bounded(step: Awaitable[None], what: str, within: float = 30.0) -> None:
-    """A teardown step that must end: on timeout, print every task's stack and fail."""
-    try:
-        await asyncio.wait_for(step, within)
-    except TimeoutError:
-        for task in asyncio.all_tasks():
-            task.print_stack(file=sys.stderr)
-        pytest.fail(f"{what} took more than {within}s (task stacks on stderr)")
 
 
 # -- names, URLs, the task ----------------------------------------------------------------------
@@ -189,7 +178,7 @@ def test_dynamic_fallback_placer_tries_preempted_locations_last() -> None:
 async def fake(tmp_path: Path) -> AsyncIterator[FakeSkyPilot]:
     sky = FakeSkyPilot(log_dir=tmp_path)
     yield sky
-    await bounded(sky.shutdown(), "shutting the fake SkyPilot down")
+    await must_finish(sky.shutdown(), "shutting the fake SkyPilot down")
 
 
 @pytest.fixture
@@ -343,7 +332,7 @@ def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfi
 async def start_controller(
     store: Store, config: ControllerConfig, fake: FakeSkyPilot
 ) -> AsyncIterator[StartController]:
-    running: list[tuple[Controller, asyncio.Task[None]]] = []
+    controllers = Controllers()
 
     async def start(**overrides: Any) -> Controller:
         cfg = dataclasses.replace(config, **overrides)
@@ -352,23 +341,11 @@ async def start_controller(
             "external": ExternalBackend(),
             "skypilot": SkyPilotBackend(FAST, sdk=fake),
         }
-        controller = Controller(store, cfg, backends=backends)
-        await controller.start()
-        running.append((controller, asyncio.create_task(controller.run())))
-        return controller
+        return await controllers.start(store, cfg, backends=backends)
 
-    async def stop(controller: Controller) -> None:
-        for entry in [e for e in running if e[0] is controller]:
-            running.remove(entry)
-            entry[1].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await entry[1]
-        await controller.aclose()
-
-    start.stop = stop  # type: ignore[attr-defined]
+    start.stop = controllers.stop  # type: ignore[attr-defined]
     yield start
-    for controller, _task in reversed(running):
-        await bounded(stop(controller), "stopping a controller")
+    await controllers.aclose()
 
 
 async def ready(store: Store, name: str, n: int, version: int | None = None) -> ops.ServiceView:

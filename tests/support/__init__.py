@@ -1,18 +1,23 @@
 """What the tests share: helpers, builders, fakes and the programs tests run.
 
 Waiting and addresses (every test uses these, and no other):
-- `poll`: `until()` / `until_sync()`, the one bounded poller (no sleeps as synchronisation).
+- `poll`: `until()` / `until_sync()`, the one bounded poller (no sleeps as
+  synchronisation); `retrying()` for calls that fail for a while (a Redis failover);
+  `must_finish()` for teardown steps that must end.
 - `ports`: `free_port()`, the one free 127.0.0.1 port helper.
 
 Fixtures (registered as pytest plugins by tests/conftest.py):
 - `redis_fixtures`: a real redis-server, clients, a Store, Redis and Sentinel factories.
-- `processes`: replica and proxy processes (`replica_factory`, `proxy_factory`), and the
+- `processes`: replica and proxy processes (`replica_factory`, `proxy_factory`),
+  `sluice` CLI children (`spawn_sluice`, `sluice_child`), blocking HTTP(S) GETs, and the
   /proc helpers (`descendants`, `running`, `kill_all`) that stop what a test started.
 
 Builders and drivers:
 - `builders`: ReplicaRecord / ServiceRecord / ReadySnapshot / ServiceSpec builders,
   `pid_of`, `ready_view`.
 - `cli`: running the `sluice` CLI in-process and reading the keys it left.
+- `controllers`: Controllers run in the test's loop and closed at teardown; a proxy
+  process following a service through Redis.
 - `harness`: an in-process proxy with a test-driven ready set, a scripted upstream,
   metrics scraping.
 - `rawhttp`: byte-exact HTTP/1.1 client connections.

@@ -12,15 +12,21 @@ processes): same arguments, same failure message, `time.sleep` between polls.
 `await retrying(call, on=(SomeError,), timeout=30.0)` is its twin for a call that fails
 for a while (a store call across a Redis failover): it awaits `call()` again while it
 raises one of `on`, and re-raises the last error after `timeout`.
+
+`await must_finish(step, what, within)`: a step that must end (a teardown); on timeout
+it prints every task's stack to stderr and fails the test naming `what`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, overload
+
+import pytest
 
 T = TypeVar("T")
 
@@ -97,3 +103,14 @@ async def retrying(
             if time.monotonic() > deadline:
                 raise
         await asyncio.sleep(interval)
+
+
+async def must_finish(step: Awaitable[object], what: str, within: float = 30.0) -> None:
+    """Await `step` for at most `within` seconds; on timeout print every task's stack
+    and fail the test."""
+    try:
+        await asyncio.wait_for(step, within)
+    except TimeoutError:
+        for task in asyncio.all_tasks():
+            task.print_stack(file=sys.stderr)
+        pytest.fail(f"{what} took more than {within}s (task stacks on stderr)")
