@@ -26,10 +26,11 @@ from controlplane.display import duration
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.snapshot import ReadySnapshot
-from tests.support.cli import one_line_error, redis_keys, sluice
+from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child
+from tests.support.pids import descendants, kill_all, running
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, descendants, http_get, kill_all, running, sluice_child
+from tests.support.processes import REPO, http_get
 
 ECHO = REPO / "examples" / "echo.yaml"
 

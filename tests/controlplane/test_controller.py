@@ -38,9 +38,10 @@ from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.snapshot import ReadySnapshot, decode_snapshot
 from tests.support.builders import PROBE, RUN, make_spec, pid_of, ready_view
 from tests.support.controllers import Controllers, proxy_for
+from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.ports import free_port
-from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, running
+from tests.support.processes import REPO, ProxyFactory, ReplicaFactory
 from tests.support.traffic import Traffic
 
 StartController = Callable[..., Awaitable[Controller]]

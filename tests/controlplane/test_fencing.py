@@ -21,9 +21,10 @@ from controlplane.models import ReplicaRecord, ReplicaStatus, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import LeaseLost, Mutation, Store
 from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.cli import spawn_sluice
 from tests.support.faultproxy import FaultProxy
+from tests.support.pids import running
 from tests.support.poll import until
-from tests.support.processes import running, spawn_sluice
 
 
 class ControllerProcess:

@@ -39,17 +39,11 @@ from controlplane.controller import ControllerConfig, run_controller
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
 from controlplane.spec import parse_spec
 from controlplane.store import Store
-from tests.support.cli import sluice
+from tests.support.cli import sluice, spawn_sluice
+from tests.support.pids import descendants
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import (
-    REPO,
-    ProxyFactory,
-    ReplicaFactory,
-    descendants,
-    http_get,
-    spawn_sluice,
-)
+from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, http_get
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"

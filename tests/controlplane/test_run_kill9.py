@@ -26,9 +26,11 @@ from controlplane.controller import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
 from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.cli import spawn_sluice
+from tests.support.pids import running
 from tests.support.poll import until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO, running, spawn_sluice
+from tests.support.processes import REPO
 
 SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
 

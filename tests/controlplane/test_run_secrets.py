@@ -22,17 +22,11 @@ import redis
 from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import parse_spec
-from tests.support.cli import sluice
+from tests.support.cli import sluice, spawn_sluice
+from tests.support.pids import descendants, kill_all
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import (
-    REPO,
-    ProxyFactory,
-    descendants,
-    http_get,
-    kill_all,
-    spawn_sluice,
-)
+from tests.support.processes import REPO, ProxyFactory, http_get
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"

@@ -16,8 +16,9 @@ from controlplane.backends.local import LocalBackend
 from controlplane.models import Handle
 from controlplane.run import RunConfig, ServiceRun
 from controlplane.spec import load_spec
+from tests.support.pids import running
 from tests.support.poll import until
-from tests.support.processes import REPO, running
+from tests.support.processes import REPO
 
 ECHO = REPO / "examples" / "echo.yaml"
 

@@ -8,14 +8,16 @@ Waiting and addresses (every test uses these, and no other):
 
 Fixtures (registered as pytest plugins by tests/conftest.py):
 - `redis_fixtures`: a real redis-server, clients, a Store, Redis and Sentinel factories.
-- `processes`: replica and proxy processes (`replica_factory`, `proxy_factory`),
-  `sluice` CLI children (`spawn_sluice`, `sluice_child`), blocking HTTP(S) GETs, and the
-  /proc helpers (`descendants`, `running`, `kill_all`) that stop what a test started.
+- `processes`: replica and proxy processes (`replica_factory`, `proxy_factory`) and
+  blocking HTTP(S) GETs.
 
 Builders and drivers:
 - `builders`: ReplicaRecord / ServiceRecord / ReadySnapshot / ServiceSpec builders,
   `pid_of`, `ready_view`.
-- `cli`: running the `sluice` CLI in-process and reading the keys it left.
+- `cli`: running the `sluice` CLI in-process or as a child process
+  (`spawn_sluice`, `sluice_child`), and reading the keys it left.
+- `pids`: /proc helpers (`descendants`, `running`, `kill_all`) that stop what a test
+  started, by pid.
 - `controllers`: Controllers run in the test's loop and closed at teardown; a proxy
   process following a service through Redis.
 - `harness`: an in-process proxy with a test-driven ready set, a scripted upstream,

@@ -6,14 +6,26 @@
 - `one_line_error(result, *needles)`: assert exit 1 with exactly one "Error: ..." line
   on stderr, no traceback, containing each needle; returns the line.
 - `redis_keys(url, prefix)`: every key under `prefix:` on the Redis at `url`.
+- `spawn_sluice(argv, log, env)` / `with sluice_child(...)`: ``python -m
+  controlplane.cli`` as a child process of the test (the latter kills it and whatever
+  it started when the block ends).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import redis
 from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
+from tests.support.pids import descendants, kill_all
+from tests.support.processes import REPO
 
 _BLANK = {"SLUICE_REDIS_URL": "", "SLUICE_REDIS_CA_FILE": ""}
 
@@ -41,3 +53,37 @@ def redis_keys(url: str, prefix: str) -> list[bytes]:
         return list(client.scan_iter(match=f"{prefix}:*", count=1000))
     finally:
         client.close()
+
+
+def spawn_sluice(
+    argv: Sequence[str], log: Path, env: Mapping[str, str | None] | None = None
+) -> subprocess.Popen[bytes]:
+    """`python -m controlplane.cli *argv` from this checkout, its output in `log`. Its
+    environment: this one, unbuffered, with this checkout on PYTHONPATH, then `env`
+    (a None value removes that variable)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO, env=full_env,
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def sluice_child(
+    argv: Sequence[str], log: Path, env: Mapping[str, str | None] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`spawn_sluice` for the length of a block; on the way out, it and whatever it
+    started are SIGKILLed (if it still runs) and it is reaped."""
+    proc = spawn_sluice(argv, log, env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_all([proc.pid, *descendants(proc.pid)])
+        proc.wait(10)

@@ -15,10 +15,6 @@ on a free port and admin port(s) (worker i on admin port + i; ``--host
 ``"auto"`` means ready when replicas are given, health otherwise. ``await
 proxy_factory.astart(...)`` is the non-blocking form.
 
-``spawn_sluice(argv, log, env)`` / ``with sluice_child(...)``: ``python -m
-controlplane.cli`` as a child of the test (the latter kills it and what it started).
-``descendants``, ``running``, ``kill_all``: /proc helpers for what a test started.
-
 Every process is stopped by pid at teardown: SIGTERM, then SIGKILL (with its
 children) after a grace. Polls are short and bounded; no fixed sleeps.
 """
@@ -35,12 +31,13 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
 import pytest
 
+from tests.support.pids import descendants
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
 
@@ -81,76 +78,6 @@ async def ahttp_status(host: str, port: int, path: str) -> int:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-
-
-def descendants(pid: int) -> list[int]:
-    """Direct and indirect children of pid (Linux /proc), so workers die with their master."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            out += [kid, *descendants(kid)]
-    return out
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (orphans may wait for a reaper that never comes)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            stat = fh.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def kill_all(pids: Iterable[int]) -> None:
-    """SIGKILL each of `pids` that still runs (processes this test started)."""
-    for pid in pids:
-        if running(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def spawn_sluice(
-    argv: Sequence[str], log: Path, env: Mapping[str, str | None] | None = None
-) -> subprocess.Popen[bytes]:
-    """`python -m controlplane.cli *argv` from this checkout, its output in `log`. Its
-    environment: this one, unbuffered, with this checkout on PYTHONPATH, then `env`
-    (a None value removes that variable)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    for name, value in (env or {}).items():
-        if value is None:
-            full_env.pop(name, None)
-        else:
-            full_env[name] = value
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO, env=full_env,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-
-@contextlib.contextmanager
-def sluice_child(
-    argv: Sequence[str], log: Path, env: Mapping[str, str | None] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`spawn_sluice` for the length of a block; on the way out, it and whatever it
-    started are SIGKILLed (if it still runs) and it is reaped."""
-    proc = spawn_sluice(argv, log, env)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            kill_all([proc.pid, *descendants(proc.pid)])
-        proc.wait(10)
 
 
 class Process:
