@@ -26,7 +26,7 @@ from controlplane.display import duration
 from controlplane.models import ReplicaRecord, ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.snapshot import ReadySnapshot
-from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child
+from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child, store_call
 from tests.support.pids import descendants, kill_all, running
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
@@ -60,19 +60,15 @@ def echo_up(ops_args: list[str]) -> list[str]:
 def commit_ready(url: str, prefix: str, name: str, replica_id: int, port: int) -> None:
     """Mark a replica READY at 127.0.0.1:port, as the controller would (one commit)."""
 
-    async def main() -> None:
-        async with Store.from_url(url, prefix=prefix) as store:
-            record = ReplicaRecord(
-                id=replica_id,
-                status=ReplicaStatus.READY,
-                url=f"http://{HOST}:{port}",
-                backend="external",
-                launched_at=time.time(),
-                first_ready_at=time.time(),
-            )
-            await store.commit(name, replica_updates=[record])
-
-    asyncio.run(main())
+    record = ReplicaRecord(
+        id=replica_id,
+        status=ReplicaStatus.READY,
+        url=f"http://{HOST}:{port}",
+        backend="external",
+        launched_at=time.time(),
+        first_ready_at=time.time(),
+    )
+    store_call(url, prefix, lambda store: store.commit(name, replica_updates=[record]))
 
 
 # -- parsing and errors ----------------------------------------------------------------------
@@ -334,13 +330,9 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
     elsewhere = tmp_path / "elsewhere.log"
     elsewhere.write_text("replica three\n")
 
-    async def add_local_replica() -> None:
-        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
-            record = ReplicaRecord(id=3, status=ReplicaStatus.STARTING, backend="local",
-                                   handle={"pid": 1, "log": str(elsewhere)})  # fmt: skip
-            await store.commit("echo", replica_updates=[record])
-
-    asyncio.run(add_local_replica())
+    local = ReplicaRecord(id=3, status=ReplicaStatus.STARTING, backend="local",
+                          handle={"pid": 1, "log": str(elsewhere)})  # fmt: skip
+    store_call(redis_url, redis_prefix, lambda s: s.commit("echo", replica_updates=[local]))
     args = ["--no-follow", *echo_up]
     assert sluice("logs", "echo", "--controller", *args).stdout == "controller line\n"
     assert sluice("logs", "echo", "--proxy", *args).stdout == "proxy line\n"
@@ -367,11 +359,7 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
 
 
 def _spec_of(url: str, prefix: str, name: str, version: int = 1) -> dict[str, Any]:
-    async def main() -> bytes | None:
-        async with Store.from_url(url, prefix=prefix) as store:
-            return await store.spec(name, version)
-
-    raw = asyncio.run(main())
+    raw = store_call(url, prefix, lambda store: store.spec(name, version))
     assert raw is not None
     decoded: dict[str, Any] = json.loads(raw)
     return decoded
@@ -479,12 +467,8 @@ def test_down_several_names_globs_all_and_the_prompt(ops_args: list[str]) -> Non
 def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str) -> None:
     commit_ready(redis_url, redis_prefix, "echo", 7, 4321)
 
-    async def add_failed() -> None:
-        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
-            record = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
-            await store.commit("echo", replica_updates=[record])
-
-    asyncio.run(add_failed())
+    failed = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
+    store_call(redis_url, redis_prefix, lambda s: s.commit("echo", replica_updates=[failed]))
 
     def replicas() -> dict[int, str]:
         [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)

@@ -6,6 +6,8 @@
 - `one_line_error(result, *needles)`: assert exit 1 with exactly one "Error: ..." line
   on stderr, no traceback, containing each needle; returns the line.
 - `redis_keys(url, prefix)`: every key under `prefix:` on the Redis at `url`.
+- `store_call(url, prefix, fn)`: `await fn(store)` on a Store of its own, from a sync
+  test (what the CLI would find, or a record as the controller would write it).
 - `spawn_sluice(argv, log, env)` / `with sluice_child(...)`: ``python -m
   controlplane.cli`` as a child process of the test (the latter kills it and whatever
   it started when the block ends).
@@ -13,19 +15,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from click.testing import CliRunner, Result
 
 from controlplane.cli import cli
+from controlplane.store import Store
 from tests.support.pids import descendants, kill_all
 from tests.support.processes import REPO
+
+T = TypeVar("T")
 
 _BLANK = {"SLUICE_REDIS_URL": "", "SLUICE_REDIS_CA_FILE": ""}
 
@@ -53,6 +60,16 @@ def redis_keys(url: str, prefix: str) -> list[bytes]:
         return list(client.scan_iter(match=f"{prefix}:*", count=1000))
     finally:
         client.close()
+
+
+def store_call(url: str, prefix: str, fn: Callable[[Store], Awaitable[T]]) -> T:
+    """Run `fn(store)` to completion in a loop of its own (for sync tests)."""
+
+    async def main() -> T:
+        async with Store.from_url(url, prefix=prefix) as store:
+            return await fn(store)
+
+    return asyncio.run(main())
 
 
 def spawn_sluice(
