@@ -4,7 +4,7 @@ resync on and off. Prints a table; not a test.
 
     python bench/skyserve_empty_window.py [--rate 20] [--seconds 30] [--sync-interval 5]
 
-Uses the stub controller from tests/skyserve_stub.py (a named fake: the real one
+Uses the stub controller from tests/support/skyserve_stub.py (a named fake: the real one
 needs a cloud), two bench/fast_replica.py replicas and a real sluice-proxy process.
 """
 
@@ -24,8 +24,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.fixtures_replicas import free_port  # noqa: E402
-from tests.skyserve_stub import StubController  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.skyserve_stub import StubController  # noqa: E402
 
 
 async def wait_http(url: str, timeout: float = 15.0) -> None:

@@ -20,7 +20,7 @@ Sky's own with SLUICE_SKYSERVE_LB=0). The "workers2" variant starts
 
 What is replaced: only the replica manager. FakeReplicaManager (a subclass of
 Sky's ReplicaManager base class) answers get_active_replica_urls() with local
-replica processes (tests/replica_app.py) instead of launching clusters, and
+replica processes (tests/support/replica_app.py) instead of launching clusters, and
 records scale_up/scale_down instead of acting. It is swapped in by assigning
 replica_managers.SkyPilotReplicaManager before SkyServeController is built,
 because SkyServeController.__init__ constructs that class by name.
@@ -106,7 +106,7 @@ def make_fake_replica_manager(base: type) -> type:
 
 
 def replica_python() -> str:
-    """tests/replica_app.py needs 3.11+; a 3.10 run borrows .venv-sky's interpreter."""
+    """tests/support/replica_app.py needs 3.11+; a 3.10 run borrows .venv-sky's interpreter."""
     if sys.version_info >= (3, 11):
         return sys.executable
     return str(ROOT / ".venv-sky" / "bin" / "python")
@@ -115,7 +115,7 @@ def replica_python() -> str:
 def start_replica(port: int, rid: str, log_dir: Path) -> subprocess.Popen[bytes]:
     with (log_dir / f"replica-{rid}.log").open("wb") as log:
         return subprocess.Popen(
-            [replica_python(), "-m", "tests.replica_app", "--port", str(port), "--id", rid],
+            [replica_python(), "-m", "tests.support.replica_app", "--port", str(port), "--id", rid],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 

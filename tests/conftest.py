@@ -1,6 +1,6 @@
-"""Shared fixtures live in plugin modules, one per concern."""
+"""Shared fixtures live in plugin modules under tests/support/, one per concern."""
 
 pytest_plugins = [
-    "tests.fixtures_redis",
-    "tests.fixtures_replicas",
+    "tests.support.redis_fixtures",
+    "tests.support.processes",
 ]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.processes import REPO as ROOT
+
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 

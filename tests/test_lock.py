@@ -8,14 +8,14 @@ without a `bash requirements/refresh` fails here, not on a fresh machine.
 from __future__ import annotations
 
 import tomllib
-from pathlib import Path
 
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.processes import REPO as ROOT
+
 LOCK = ROOT / "requirements" / "ci.txt"
 
 

@@ -12,7 +12,9 @@ import time
 import aiohttp
 import pytest
 
-from tests.fixtures_replicas import ProxyFactory, Replica, ReplicaFactory, free_port, http_get
+from tests.support.poll import until, until_sync
+from tests.support.ports import free_port
+from tests.support.processes import ProxyFactory, Replica, ReplicaFactory, http_get
 
 
 def raw_exchange(replica: Replica, request: bytes) -> bytes:
@@ -105,10 +107,8 @@ async def test_stats_count_cancellations(replica_factory: ReplicaFactory) -> Non
             async with asyncio.timeout(0.3):
                 await s.get(f"{r.url}/hang")
     # The replica notices the disconnect on its own schedule: poll, bounded.
-    for _ in range(250):
-        if (stats := r.stats())["cancelled"] >= 1:
-            break
-        await asyncio.sleep(0.02)
+    stats = await until(lambda: (s := r.stats())["cancelled"] >= 1 and s, timeout=5,
+                        what="the replica to count the cancelled request")  # fmt: skip
     assert stats["cancelled_by_path"] == {"/hang": 1}
     assert stats["by_path"]["/hang"] == 1
     assert stats["total"] == 1  # the fixture's /health polls are not traffic
@@ -130,10 +130,8 @@ async def test_upload_streams_large_body(replica_factory: ReplicaFactory) -> Non
 def test_ready_delay_and_process_control(replica_factory: ReplicaFactory) -> None:
     [slow, other] = replica_factory(2, ready_delay=0.5, wait_ready=False)
     assert http_get("127.0.0.1", slow.port, "/health")[0] == 503
-    deadline = time.monotonic() + 5
-    while http_get("127.0.0.1", slow.port, "/health")[0] != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    until_sync(lambda: http_get("127.0.0.1", slow.port, "/health")[0] == 200, timeout=5,
+               what="the slow replica to be ready")  # fmt: skip
     other.kill()  # SIGKILL, reaped on return
     assert not other.alive and other.returncode == -signal.SIGKILL
     with pytest.raises(ConnectionRefusedError):

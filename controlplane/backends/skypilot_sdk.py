@@ -4,7 +4,7 @@
 talks to; `SkyPilotClient` implements it with the client/server SDK of SkyPilot
 0.14 (`sky.launch`, `sky.down`, `sky.status`, `sky.endpoints` return request ids;
 `sky.get` waits for one; `sky.api_cancel` cancels one; `sky.tail_logs` streams a
-job log). Tests implement the Protocol with a fake (tests/skypilot_fake.py);
+job log). Tests implement the Protocol with a fake (tests/support/skypilot_fake.py);
 `SDK_CALLS` lists every SDK function and keyword used here, and a contract test
 checks them against the installed SkyPilot's real signatures.
 

@@ -20,9 +20,9 @@ from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import ServiceSpec, load_spec
 from controlplane.store import Store
-from tests.controlplane.test_controller import make_spec, ready_view
-from tests.faultproxy import FaultProxy
-from tests.fixtures_replicas import REPO
+from tests.support.builders import make_spec, ready_view
+from tests.support.faultproxy import FaultProxy
+from tests.support.processes import REPO
 
 ECHO = REPO / "examples" / "echo.yaml"
 

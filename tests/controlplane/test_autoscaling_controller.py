@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-from click.testing import CliRunner
 
 from controlplane import ops
 from controlplane.backends.base import Launched
 from controlplane.backends.external import ExternalBackend
-from controlplane.cli import cli
 from controlplane.display import status_text
 from controlplane.prober import ProbeResult
 from controlplane.reconcile import Controller, ControllerConfig
@@ -29,6 +27,8 @@ from controlplane.rollout import plan_rollout
 from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
+from tests.support.cli import sluice as run_cli
+from tests.support.cli import store_call
 
 NAME = "svc"
 T0 = 1_000_000.0
@@ -368,19 +368,14 @@ async def test_status_describes_the_policy_the_target_and_the_window(
 
 def test_cli_status_json_and_replica_preempt(redis_url: str, redis_prefix: str) -> None:
     def sluice(*args: str) -> Any:
-        argv = [*args, "--redis", redis_url, "--prefix", redis_prefix]
-        return CliRunner().invoke(cli, argv, catch_exceptions=False)
+        return run_cli(*args, "--redis", redis_url, "--prefix", redis_prefix)
 
-    async def setup(fn: Callable[[Store], Any]) -> Any:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            return await fn(Store(client, prefix=redis_prefix))
-        finally:
-            await client.aclose()
+    def setup(fn: Callable[[Store], Awaitable[Any]]) -> Any:
+        return store_call(redis_url, redis_prefix, fn)
 
-    asyncio.run(setup(lambda s: ops.up(s, NAME, spec(QPS_POLICY))))
+    setup(lambda s: ops.up(s, NAME, spec(QPS_POLICY)))
     replica = ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:1")
-    asyncio.run(setup(lambda s: s.commit(NAME, replica_updates=[replica])))
+    setup(lambda s: s.commit(NAME, replica_updates=[replica]))
 
     result = sluice("status", NAME, "--json")
     assert result.exit_code == 0, result.output
@@ -391,7 +386,7 @@ def test_cli_status_json_and_replica_preempt(redis_url: str, redis_prefix: str) 
     result = sluice("replica", "preempt", NAME, "1")
     assert result.exit_code == 0, result.output
     assert "preempted" in result.output
-    table = asyncio.run(setup(lambda s: s.replicas(NAME)))
+    table = setup(lambda s: s.replicas(NAME))
     assert table[1].status is ReplicaStatus.PREEMPTED
     result = sluice("replica", "preempt", NAME, "1")
     assert result.exit_code != 0 and "no live replica 1" in result.output

@@ -5,9 +5,6 @@ and the demand nudges. Delays and the decision interval are shortened to seconds
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -20,13 +17,13 @@ from controlplane import ops
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
-from tests.controlplane.traffic import Traffic
-from tests.fixtures_replicas import ProxyFactory
+from tests.support.builders import RUN
+from tests.support.controllers import Controllers, proxy_for
+from tests.support.processes import REPO, ProxyFactory
+from tests.support.traffic import Traffic
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
 PROBE = {
     "path": "/health",
     "endpoint_probe_interval_seconds": 0.2,
@@ -53,7 +50,7 @@ def spec(policy: dict[str, Any], *, use_spot: bool = False) -> ServiceSpec:
 async def start_controller(
     store: Store, redis_url: str, redis_prefix: str, tmp_path: Path
 ) -> AsyncIterator[StartController]:
-    running: list[tuple[Controller, asyncio.Task[None]]] = []
+    controllers = Controllers()
 
     async def start(**overrides: Any) -> Controller:
         settings: dict[str, Any] = {
@@ -69,31 +66,14 @@ async def start_controller(
         config = ControllerConfig(
             redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state", **settings
         )
-        controller = Controller(store, config)
-        await controller.start()
-        running.append((controller, asyncio.create_task(controller.run())))
-        return controller
+        return await controllers.start(store, config)
 
     yield start
-    for controller, task in reversed(running):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await controller.aclose()
+    await controllers.aclose()
 
 
 def live(view: ops.ServiceView) -> list[ops.ReplicaView]:
     return [r for r in view.replicas if r.status in LIVE]
-
-
-async def proxy_for(
-    proxy_factory: ProxyFactory, redis_url: str, prefix: str, *extra: str
-) -> str:
-    proxy = await proxy_factory.astart(
-        "--redis", redis_url, "--service", "svc", "--redis-prefix", prefix,
-        "--shutdown-grace", "1", *extra, wait="health",
-    )  # fmt: skip
-    return proxy.url
 
 
 async def test_traffic_raises_the_replica_count_and_its_end_lowers_it(
@@ -113,7 +93,7 @@ async def test_traffic_raises_the_replica_count_and_its_end_lowers_it(
     }
     await ops.up(store, "svc", spec(policy))
     await ops.wait_for(store, "svc", lambda v: v.ready == 1, timeout=20)
-    url = await proxy_for(proxy_factory, redis_url, redis_prefix)
+    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc", wait="health")
 
     async with Traffic(url, rate=20) as traffic:  # QPS 20 / 4 -> 5, clipped to 3
         up = await ops.wait_for(store, "svc", lambda v: v.ready == 3, timeout=30)
@@ -149,7 +129,8 @@ async def test_scale_from_zero_holds_the_first_request_and_answers_200(
     await ops.up(store, "svc", spec(policy))
     view = await ops.wait_for(store, "svc", lambda v: v.status == "NO_REPLICA", timeout=10)
     assert view.replicas == [] and view.target == 0
-    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "--empty-wait", "30")
+    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc", "--empty-wait", "30",
+                    wait="health")
 
     started = time.monotonic()
     async with aiohttp.ClientSession() as session, session.get(f"{url}/fast") as resp:

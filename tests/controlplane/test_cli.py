@@ -13,14 +13,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import redis
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 
 from controlplane.cli import cli
 from controlplane.display import duration
@@ -28,36 +27,16 @@ from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.wire.snapshot import ReadySnapshot
-from tests.fixtures_replicas import HOST, REPO, free_port, http_get
+from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child, store_call
+from tests.support.pids import descendants, kill_all, running
+from tests.support.poll import until, until_sync
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, http_get
 
 ECHO = REPO / "examples" / "echo.yaml"
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def sluice(*args: str, env: dict[str, str] | None = None) -> Result:
-    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
-
-
-def assert_one_line_error(result: Result, *needles: str) -> str:
-    """Exit 1, exactly one line on stderr ("Error: ..."), no traceback; returns the line."""
-    assert result.exit_code == 1, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: "), lines
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
-def keys(url: str, prefix: str) -> list[bytes]:
-    client = redis.Redis.from_url(url)
-    try:
-        return list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    finally:
-        client.close()
 
 
 def dead_redis_url() -> str:
@@ -82,19 +61,15 @@ def echo_up(ops_args: list[str]) -> list[str]:
 def commit_ready(url: str, prefix: str, name: str, replica_id: int, port: int) -> None:
     """Mark a replica READY at 127.0.0.1:port, as the controller would (one commit)."""
 
-    async def main() -> None:
-        async with Store.from_url(url, prefix=prefix) as store:
-            record = ReplicaRecord(
-                id=replica_id,
-                status=ReplicaStatus.READY,
-                url=f"http://{HOST}:{port}",
-                backend="external",
-                launched_at=time.time(),
-                first_ready_at=time.time(),
-            )
-            await store.commit(name, replica_updates=[record])
-
-    asyncio.run(main())
+    record = ReplicaRecord(
+        id=replica_id,
+        status=ReplicaStatus.READY,
+        url=f"http://{HOST}:{port}",
+        backend="external",
+        launched_at=time.time(),
+        first_ready_at=time.time(),
+    )
+    store_call(url, prefix, lambda store: store.commit(name, replica_updates=[record]))
 
 
 # -- parsing and errors ----------------------------------------------------------------------
@@ -119,21 +94,21 @@ def test_invalid_spec_is_one_line_and_never_reaches_redis(
     text, field = BAD_SPECS[case]
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    line = assert_one_line_error(sluice("up", str(bad), "-n", "svc", *ops_args), field)
+    line = one_line_error(sluice("up", str(bad), "-n", "svc", *ops_args), field)
     assert str(bad) in line
-    assert keys(redis_url, redis_prefix) == []
+    assert redis_keys(redis_url, redis_prefix) == []
     # update and run load the spec before anything else too.
-    assert_one_line_error(sluice("update", "svc", str(bad), *ops_args), field)
+    one_line_error(sluice("update", "svc", str(bad), *ops_args), field)
     state = tmp_path / "run-state"
     result = sluice("run", str(bad), "--redis", redis_url, "--prefix", redis_prefix,
                     "--state-dir", str(state))  # fmt: skip
-    assert_one_line_error(result, field)
-    assert keys(redis_url, redis_prefix) == []
+    one_line_error(result, field)
+    assert redis_keys(redis_url, redis_prefix) == []
     assert not (state / "run.json").exists()
 
 
 def test_missing_file(tmp_path: Path, ops_args: list[str]) -> None:
-    assert_one_line_error(sluice("up", str(tmp_path / "nope.yaml"), *ops_args),
+    one_line_error(sluice("up", str(tmp_path / "nope.yaml"), *ops_args),
                           "nope.yaml", "cannot read")  # fmt: skip
 
 
@@ -157,7 +132,7 @@ def test_invalid_service_name_is_a_usage_error(ops_args: list[str]) -> None:
     ],
 )
 def test_unknown_service(args: list[str], ops_args: list[str]) -> None:
-    assert_one_line_error(sluice(*args, *ops_args), "no service 'ghost'")
+    one_line_error(sluice(*args, *ops_args), "no service 'ghost'")
 
 
 @pytest.mark.parametrize(
@@ -166,20 +141,20 @@ def test_unknown_service(args: list[str], ops_args: list[str]) -> None:
 def test_unreachable_redis_names_the_url(args: list[str], tmp_path: Path) -> None:
     url = dead_redis_url()
     result = sluice(*args, "--redis", url, "--state-dir", str(tmp_path))
-    assert_one_line_error(result, f"cannot reach Redis at {url}")
+    one_line_error(result, f"cannot reach Redis at {url}")
 
 
 def test_unreachable_redis_hides_the_password(tmp_path: Path) -> None:
     port = free_port()
     result = sluice("status", "--redis", f"redis://:s3cret@{HOST}:{port}/0",
                     "--state-dir", str(tmp_path))  # fmt: skip
-    line = assert_one_line_error(result, "cannot reach Redis at redis://:***@")
+    line = one_line_error(result, "cannot reach Redis at redis://:***@")
     assert "s3cret" not in result.output and "s3cret" not in line
 
 
 def test_bad_redis_url(tmp_path: Path) -> None:
     result = sluice("status", "--redis", "localhost:6379", "--state-dir", str(tmp_path))
-    assert_one_line_error(result, "redis")
+    one_line_error(result, "redis")
 
 
 def test_redis_url_from_environment(echo_up: list[str], redis_url: str, redis_prefix: str,
@@ -209,7 +184,7 @@ def test_run_refuses_a_state_dir_in_use(tmp_path: Path) -> None:
             "prefix": "sluice", "endpoint": "http://x:1", "started_at": 0.0}  # fmt: skip
     (tmp_path / "run.json").write_text(json.dumps(info))
     result = sluice("run", str(ECHO), "--state-dir", str(tmp_path))
-    assert_one_line_error(result, "another `sluice run`", str(os.getppid()))
+    one_line_error(result, "another `sluice run`", str(os.getppid()))
     assert not (tmp_path / "redis").exists()  # nothing was started
 
 
@@ -219,7 +194,7 @@ def test_run_refuses_an_existing_service(
     state = tmp_path / "run-state"
     result = sluice("run", str(ECHO), "--redis", redis_url, "--prefix", redis_prefix,
                     "--state-dir", str(state))  # fmt: skip
-    assert_one_line_error(result, "service 'echo' already exists")
+    one_line_error(result, "service 'echo' already exists")
     assert not (state / "run.json").exists()
     assert not (state / "controller.log").exists()  # no process was started
 
@@ -279,7 +254,7 @@ def test_up_then_status(echo_up: list[str]) -> None:
     [view] = json.loads(result.stdout)
     assert view["name"] == "echo" and view["version"] == 1 and view["replicas"] == []
 
-    assert_one_line_error(sluice("up", str(ECHO), "-n", "echo", *echo_up), "already exists")
+    one_line_error(sluice("up", str(ECHO), "-n", "echo", *echo_up), "already exists")
 
 
 def test_up_names_the_service_after_the_yaml(ops_args: list[str]) -> None:
@@ -301,7 +276,7 @@ def test_update_and_down(echo_up: list[str]) -> None:
     assert result.exit_code == 0, result.output
     [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
     assert view["status"] == "SHUTTING_DOWN"
-    assert_one_line_error(sluice("update", "echo", str(ECHO), *echo_up), "shutting down")
+    one_line_error(sluice("update", "echo", str(ECHO), *echo_up), "shutting down")
 
 
 def test_replica_add_and_remove(echo_up: list[str]) -> None:
@@ -318,7 +293,7 @@ def test_replica_add_and_remove(echo_up: list[str]) -> None:
     table = sluice("status", "echo", *echo_up).stdout
     assert "Service Replicas" in table and url in table
 
-    assert_one_line_error(sluice("replica", "add", "echo", url, *echo_up), "already has replica")
+    one_line_error(sluice("replica", "add", "echo", url, *echo_up), "already has replica")
     result = sluice("replica", "add", "echo", "ftp://127.0.0.1:9", *echo_up)
     assert result.exit_code == 2 and "http(s)" in result.stderr
 
@@ -326,7 +301,7 @@ def test_replica_add_and_remove(echo_up: list[str]) -> None:
     assert result.exit_code == 0, result.output
     [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
     assert view["replicas"][0]["status"] == "SHUTTING_DOWN"
-    assert_one_line_error(sluice("replica", "remove", "echo", "http://127.0.0.1:10", *echo_up),
+    one_line_error(sluice("replica", "remove", "echo", "http://127.0.0.1:10", *echo_up),
                           "no external replica")  # fmt: skip
 
 
@@ -356,21 +331,17 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
     elsewhere = tmp_path / "elsewhere.log"
     elsewhere.write_text("replica three\n")
 
-    async def add_local_replica() -> None:
-        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
-            record = ReplicaRecord(id=3, status=ReplicaStatus.STARTING, backend="local",
-                                   handle={"pid": 1, "log": str(elsewhere)})  # fmt: skip
-            await store.commit("echo", replica_updates=[record])
-
-    asyncio.run(add_local_replica())
+    local = ReplicaRecord(id=3, status=ReplicaStatus.STARTING, backend="local",
+                          handle={"pid": 1, "log": str(elsewhere)})  # fmt: skip
+    store_call(redis_url, redis_prefix, lambda s: s.commit("echo", replica_updates=[local]))
     args = ["--no-follow", *echo_up]
     assert sluice("logs", "echo", "--controller", *args).stdout == "controller line\n"
     assert sluice("logs", "echo", "--proxy", *args).stdout == "proxy line\n"
     # The handle's log path when the record has one; the backend's default path otherwise.
     assert sluice("logs", "echo", "--replica", "3", *args).stdout == "replica three\n"
     assert sluice("logs", "echo", "--replica", "2", *args).stdout == "replica two\n"
-    assert_one_line_error(sluice("logs", "echo", "--replica", "9", *args), "no replica 9")
-    assert_one_line_error(sluice("logs", "other", "--proxy", *args), "no log at")
+    one_line_error(sluice("logs", "echo", "--replica", "9", *args), "no replica 9")
+    one_line_error(sluice("logs", "other", "--proxy", *args), "no log at")
 
     # `sky serve logs` spellings: --load-balancer, replica IDs as arguments, --tail N.
     assert sluice("logs", "echo", "--load-balancer", *args).stdout == "proxy line\n"
@@ -389,11 +360,7 @@ def test_logs(tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: 
 
 
 def _spec_of(url: str, prefix: str, name: str, version: int = 1) -> dict[str, Any]:
-    async def main() -> bytes | None:
-        async with Store.from_url(url, prefix=prefix) as store:
-            return await store.spec(name, version)
-
-    raw = asyncio.run(main())
+    raw = store_call(url, prefix, lambda store: store.spec(name, version))
     assert raw is not None
     decoded: dict[str, Any] = json.loads(raw)
     return decoded
@@ -424,7 +391,7 @@ def test_up_env_and_secret_overrides_fill_the_yaml(
 ) -> None:
     yaml_file = tmp_path / "llm.yaml"
     yaml_file.write_text(LLM_YAML)
-    assert_one_line_error(sluice("up", str(yaml_file), *ops_args), "$.envs.HF_TOKEN")
+    one_line_error(sluice("up", str(yaml_file), *ops_args), "$.envs.HF_TOKEN")
     env_file = tmp_path / "llm.env"
     env_file.write_text("MODEL_NAME=from-file\nHF_TOKEN=hf-file\n")
     secret_file = tmp_path / "llm.secrets"
@@ -479,9 +446,9 @@ def test_down_several_names_globs_all_and_the_prompt(ops_args: list[str]) -> Non
     )
     assert set(_statuses(ops_args).values()) == {"CONTROLLER_INIT"}  # nothing happened
     # A pattern that matches nothing fails before anything is taken down.
-    assert_one_line_error(sluice("down", "other", "nope-*", "-y", *ops_args),
+    one_line_error(sluice("down", "other", "nope-*", "-y", *ops_args),
                           "no service matches 'nope-*'")  # fmt: skip
-    assert_one_line_error(sluice("down", "ghost", "other", "-y", *ops_args),
+    one_line_error(sluice("down", "ghost", "other", "-y", *ops_args),
                           "no service 'ghost'")  # fmt: skip
     assert _statuses(ops_args)["other"] == "CONTROLLER_INIT"
 
@@ -501,12 +468,8 @@ def test_down_several_names_globs_all_and_the_prompt(ops_args: list[str]) -> Non
 def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str) -> None:
     commit_ready(redis_url, redis_prefix, "echo", 7, 4321)
 
-    async def add_failed() -> None:
-        async with Store.from_url(redis_url, prefix=redis_prefix) as store:
-            record = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
-            await store.commit("echo", replica_updates=[record])
-
-    asyncio.run(add_failed())
+    failed = ReplicaRecord(id=8, status=ReplicaStatus.FAILED, backend="local")
+    store_call(redis_url, redis_prefix, lambda s: s.commit("echo", replica_updates=[failed]))
 
     def replicas() -> dict[int, str]:
         [view] = json.loads(sluice("status", "echo", "--json", *echo_up).stdout)
@@ -519,14 +482,14 @@ def test_down_one_replica(echo_up: list[str], redis_url: str, redis_prefix: str)
     result = sluice("down", "echo", "--replica-id", "7", "-y", *echo_up)
     assert result.exit_code == 0 and "replica 7 terminated" in result.stdout, result.output
     assert replicas() == {7: "SHUTTING_DOWN", 8: "FAILED"}
-    assert_one_line_error(sluice("down", "echo", "--replica-id", "7", "-y", *echo_up),
+    one_line_error(sluice("down", "echo", "--replica-id", "7", "-y", *echo_up),
                           "already shutting down")  # fmt: skip
-    assert_one_line_error(sluice("down", "echo", "--replica-id", "8", "-y", *echo_up),
+    one_line_error(sluice("down", "echo", "--replica-id", "8", "-y", *echo_up),
                           "failed status (FAILED)", "--purge")  # fmt: skip
     result = sluice("down", "echo", "--replica-id", "8", "--purge", "-y", *echo_up)
     assert result.exit_code == 0 and "replica 8 purged" in result.stdout, result.output
     assert replicas() == {7: "SHUTTING_DOWN"}
-    assert_one_line_error(sluice("down", "echo", "--replica-id", "9", "-y", *echo_up),
+    one_line_error(sluice("down", "echo", "--replica-id", "9", "-y", *echo_up),
                           "has no replica 9")  # fmt: skip
     assert sluice("status", "echo", *echo_up).exit_code == 0  # still there
 
@@ -588,60 +551,17 @@ async def test_follow_snapshots_unreachable() -> None:
 # -- real processes --------------------------------------------------------------------------
 
 
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else []:
-        with contextlib.suppress(OSError):
-            for kid in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                out += [int(kid), *_descendants(int(kid))]
-    return out
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (orphans may wait for a reaper that never comes)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        if _running(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def _process(
-    argv: list[str], log: Path, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A child of this test; on the way out, it and whatever it started are SIGKILLed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "controlplane.cli", *argv], cwd=REPO,
-                                env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                _kill_all([proc.pid, *_descendants(proc.pid)])
-            proc.wait(10)
-
-
 def _wait_http_200(proc: subprocess.Popen[bytes], port: int, log: Path, within: float) -> None:
-    deadline = time.monotonic() + within
-    while True:
+    def answered() -> bool:
         assert proc.poll() is None, f"sluice run exited with {proc.returncode}:\n{log.read_text()}"
         with contextlib.suppress(OSError):
             status, body = http_get(HOST, port, "/hello", timeout=2.0)
             if status == 200:
                 assert json.loads(body)["path"] == "/hello"
-                return
-        assert time.monotonic() < deadline, f"no 200 within {within}s:\n{log.read_text()}"
-        time.sleep(0.1)
+                return True
+        return False
+
+    until_sync(answered, timeout=within, what=f"a 200 from /hello on port {port}")
 
 
 @pytest.mark.slow
@@ -651,7 +571,7 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     argv = ["run", str(ECHO), "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
-    with _process(argv, log) as proc:
+    with sluice_child(argv, log) as proc:
         _wait_http_200(proc, port, log, within=60)
 
         info = json.loads((state / "run.json").read_text())
@@ -665,22 +585,20 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
             client.close()
         replica_pids = [json.loads(r)["handle"]["pid"] for r in records]
         assert len(replica_pids) == 2
-        started = {*info["pids"].values(), *replica_pids, *_descendants(proc.pid)}
-        assert all(_running(pid) for pid in replica_pids)
+        started = {*info["pids"].values(), *replica_pids, *descendants(proc.pid)}
+        assert all(running(pid) for pid in replica_pids)
 
         # Ops commands find the run's Redis through its state dir. The first 200 needs
         # one ready replica; the second may still be starting on a busy machine.
-        deadline = time.monotonic() + 60
-        while True:
+        def ready() -> int:
             status = CliRunner().invoke(
                 cli, ["status", "echo", "--json", "--state-dir", str(state)]
             )
             assert status.exit_code == 0, status.output
-            ready = json.loads(status.stdout)[0]["ready"]
-            if ready == 2:
-                break
-            assert time.monotonic() < deadline, f"{ready} of 2 replicas ready after 60s"
-            time.sleep(0.2)
+            count: int = json.loads(status.stdout)[0]["ready"]
+            return count
+
+        until_sync(lambda: ready() == 2, timeout=60, what="2 replicas ready", interval=0.2)
 
         proc.send_signal(signal.SIGINT)
         try:
@@ -688,8 +606,8 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
         output = log.read_text()
-        left = sorted(pid for pid in started if _running(pid))
-        _kill_all(left)
+        left = sorted(pid for pid in started if running(pid))
+        kill_all(left)
     assert code == 0, output
     assert left == [], f"left running: {left}\n{output}"
     assert not (state / "run.json").exists()
@@ -709,7 +627,7 @@ def test_run_with_a_sentinel_url_serves_and_stops(
     argv = ["run", str(ECHO), "--redis", group.url, "--prefix", redis_prefix,
             "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "1", "--down-timeout", "30"]  # fmt: skip
-    with _process(argv, log) as proc:
+    with sluice_child(argv, log) as proc:
         _wait_http_200(proc, port, log, within=60)
         info = json.loads((state / "run.json").read_text())
         assert info["redis_url"] == group.url
@@ -736,16 +654,15 @@ def test_logs_follow_until_ctrl_c(tmp_path: Path, extra: list[str]) -> None:
     out = tmp_path / "follow.out"
     # Follows by default (as `sky serve logs`); --tail N with --follow: the last N, then on.
     argv = ["logs", "svc", "--controller", "--state-dir", str(state), *extra]
-    with _process(argv, out) as proc:
-        deadline = time.monotonic() + 20
-        while out.read_text() != "one\n":
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.05)
+    with sluice_child(argv, out) as proc:
+        def printed(text: str) -> bool:
+            assert proc.poll() is None, out.read_text()
+            return out.read_text() == text
+
+        until_sync(lambda: printed("one\n"), timeout=20, what="the first line")
         with controller_log.open("a") as fh:
             fh.write("two\n")
-        while out.read_text() != "one\ntwo\n":
-            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
-            time.sleep(0.05)
+        until_sync(lambda: printed("one\ntwo\n"), timeout=20, what="the appended line")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0, out.read_text()
 
@@ -755,17 +672,18 @@ def test_snapshot_watch_follows_generations_until_ctrl_c(
     tmp_path: Path, echo_up: list[str], redis_url: str, redis_prefix: str
 ) -> None:
     log = tmp_path / "watch.log"
-    with _process(["snapshot", "echo", "--watch", "--json", *echo_up], log) as proc:
+    with sluice_child(["snapshot", "echo", "--watch", "--json", *echo_up], log) as proc:
 
         def lines(n: int) -> list[ReadySnapshot]:
-            deadline = time.monotonic() + 20
-            while True:
+            def printed() -> list[str] | None:
                 got = log.read_text().splitlines()
                 if len(got) >= n:
-                    return [msgspec.json.decode(line, type=ReadySnapshot) for line in got]
+                    return got
                 assert proc.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+                return None
+
+            got = until_sync(printed, timeout=20, what=f"{n} snapshot lines")
+            return [msgspec.json.decode(line, type=ReadySnapshot) for line in got]
 
         assert [s.generation for s in lines(1)] == [1]
         commit_ready(redis_url, redis_prefix, "echo", 1, 4001)
@@ -786,7 +704,7 @@ service:
   tls:
     keyfile: ~/certs/key.pem
     certfile: ~/certs/cert.pem
-run: exec python -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID
+run: exec python -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID
 """
 
 
@@ -795,7 +713,7 @@ def test_run_with_tls_paths_under_home_that_do_not_exist(tmp_path: Path) -> None
     spec.write_text(TLS_YAML)
     state = tmp_path / "state"
     result = sluice("run", str(spec), "--state-dir", str(state), env={"HOME": str(tmp_path)})
-    assert_one_line_error(
+    one_line_error(
         result, f"service.tls.certfile: no file at {tmp_path}/certs/cert.pem", "'~/certs/cert.pem'"
     )
     assert not state.exists()  # nothing was started
@@ -821,20 +739,19 @@ def test_run_serves_https_with_tls_paths_under_home(tmp_path: Path) -> None:
             "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
     context = ssl.create_default_context()
     ca.configure_trust(context)
-    with _process(argv, log, env={"HOME": str(home)}) as proc:
-        deadline = time.monotonic() + 60
-        while True:
+    with sluice_child(argv, log, env={"HOME": str(home)}) as proc:
+        def served() -> bool:
             assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
             with contextlib.suppress(OSError):
                 conn = http.client.HTTPSConnection(HOST, port, timeout=2, context=context)
                 try:
                     conn.request("GET", "/fast")
-                    if conn.getresponse().status == 200:
-                        break
+                    return conn.getresponse().status == 200
                 finally:
                     conn.close()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+            return False
+
+        until_sync(served, timeout=60, what=f"a 200 over HTTPS on port {port}")
         info = json.loads((state / "run.json").read_text())
         assert info["endpoint"] == f"https://{HOST}:{port}"
         proc.send_signal(signal.SIGINT)
@@ -857,18 +774,18 @@ def test_a_fixed_replica_port_allows_one_local_replica(
     tmp_path: Path, ops_args: list[str], redis_url: str, redis_prefix: str
 ) -> None:
     two = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port 8080")
-    line = assert_one_line_error(sluice("up", str(two), "-n", "llm", *ops_args),
+    line = one_line_error(sluice("up", str(two), "-n", "llm", *ops_args),
                                  "fixed port 8080", "up to 2", "$PORT")  # fmt: skip
-    assert "Traceback" not in line and keys(redis_url, redis_prefix) == []
+    assert "Traceback" not in line and redis_keys(redis_url, redis_prefix) == []
     result = sluice("run", str(two), "-n", "llm", "--state-dir", str(tmp_path / "run"))
-    assert_one_line_error(result, "fixed port 8080")
+    one_line_error(result, "fixed port 8080")
     assert not (tmp_path / "run").exists()  # nothing was started
 
     # Through an env var of the YAML, the port is as fixed.
     env = tmp_path / "env.yaml"
     env.write_text(two.read_text().replace("--port 8080", "--port $VLLM_PORT")
                    + "envs:\n  VLLM_PORT: 8080\n")  # fmt: skip
-    assert_one_line_error(sluice("up", str(env), "-n", "llm", *ops_args), "fixed port 8080")
+    one_line_error(sluice("up", str(env), "-n", "llm", *ops_args), "fixed port 8080")
     # Listening on $PORT, or a program that reads PORT itself (its run command names no
     # port, like examples/echo.yaml): any number of replicas, each on its own port.
     dollar = _fixed_port_yaml(tmp_path, 2, "vllm serve Qwen/Qwen3-0.6B --port $PORT")
@@ -882,11 +799,11 @@ def test_a_fixed_replica_port_allows_one_local_replica(
     probe = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-0.6B --port 8080", "/v1/models")
     assert sluice("update", "llm", str(probe), *ops_args).exit_code == 0
     other = _fixed_port_yaml(tmp_path, 1, "vllm serve Qwen/Qwen3-8B --port 8080")
-    assert_one_line_error(sluice("update", "llm", str(other), *ops_args),
+    one_line_error(sluice("update", "llm", str(other), *ops_args),
                           "fixed port 8080", "cannot start while the old one")  # fmt: skip
     # `sluice run`'s proxy cannot take the replica's port either.
     result = sluice("run", str(one), "--port", "8080", "--state-dir", str(tmp_path / "run"))
-    assert_one_line_error(result, "--port 8080", "another --port")
+    one_line_error(result, "--port 8080", "another --port")
 
 
 async def test_status_flags_a_proxy_lagging_behind(
@@ -896,7 +813,6 @@ async def test_status_flags_a_proxy_lagging_behind(
     from proxy.readyset import ReadySet
     from proxy.sources.redis import RedisSource
     from proxy.stats import Stats
-    from tests.fixtures_redis import eventually
 
     ops_args = ["--redis", redis_url, "--prefix", redis_prefix]
 
@@ -923,20 +839,17 @@ async def test_status_flags_a_proxy_lagging_behind(
         sets.append(ready_set)
         sources.append(source)
     try:
-        await eventually(lambda: all(s.generation == first.generation for s in sets))
+        await until(lambda: all(s.generation == first.generation for s in sets))
         await sources[1].aclose()  # its last heartbeat stays at the first generation
         for port in (23102, 23103, 23104):
             last = await store.commit("echo", replica_updates=[
                 ReplicaRecord(id=port - 23100, status=ReplicaStatus.READY,
                               url=f"http://127.0.0.1:{port}")])
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5.0
-        while True:  # both heartbeats written, the live one at the last generation
+        async def caught_up() -> bool:  # both heartbeats written, the live one at the last
             beats = await store.read_proxies("echo")
-            if set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation:
-                break
-            assert loop.time() < deadline, f"the heartbeats never caught up: {beats}"
-            await asyncio.sleep(0.02)
+            return set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation
+
+        await until(caught_up, timeout=5.0, what="the heartbeats to catch up")
         result = await run_sluice("status", "echo", "--json")
         proxies = {p["id"]: p for p in json.loads(result)[0]["proxies"]}
         assert proxies["live"]["generation"] == last.generation

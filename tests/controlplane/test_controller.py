@@ -38,41 +38,15 @@ from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
-from tests.controlplane.traffic import Traffic
-from tests.fixtures_redis import eventually
-from tests.fixtures_replicas import ProxyFactory, ReplicaFactory, free_port
-
-REPO = Path(__file__).resolve().parents[2]
-RUN = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
-PROBE: dict[str, Any] = {
-    "path": "/health",
-    "endpoint_probe_interval_seconds": 0.2,
-    "timeout_seconds": 2,
-    "initial_delay_seconds": 20,
-    "consecutive_failure_threshold_timeout": 2,
-}
+from tests.support.builders import PROBE, RUN, make_spec, pid_of, ready_view
+from tests.support.controllers import Controllers, proxy_for
+from tests.support.pids import running
+from tests.support.poll import until
+from tests.support.ports import free_port
+from tests.support.processes import REPO, ProxyFactory, ReplicaFactory
+from tests.support.traffic import Traffic
 
 StartController = Callable[..., Awaitable[Controller]]
-
-
-def make_spec(
-    replicas: int = 2,
-    *,
-    run: str | None = RUN,
-    env: str = "a",
-    probe: dict[str, Any] | None = None,
-    setup: str | None = None,
-) -> ServiceSpec:
-    doc: dict[str, Any] = {
-        "service": {"readiness_probe": {**PROBE, **(probe or {})}, "replicas": replicas},
-        "workdir": str(REPO),
-        "envs": {"VARIANT": env},
-    }
-    if run is not None:
-        doc["run"] = run
-    if setup is not None:
-        doc["setup"] = setup
-    return parse_spec(doc)
 
 
 @pytest.fixture
@@ -93,20 +67,13 @@ def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfi
 async def start_controller(
     store: Store, config: ControllerConfig
 ) -> AsyncIterator[StartController]:
-    running: list[tuple[Controller, asyncio.Task[None]]] = []
+    controllers = Controllers()
 
     async def start(**overrides: Any) -> Controller:
-        controller = Controller(store, dataclasses.replace(config, **overrides))
-        await controller.start()
-        running.append((controller, asyncio.create_task(controller.run())))
-        return controller
+        return await controllers.start(store, dataclasses.replace(config, **overrides))
 
     yield start
-    for controller, task in reversed(running):
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await controller.aclose()
+    await controllers.aclose()
 
 
 class SnapshotWatcher:
@@ -143,45 +110,8 @@ class SnapshotWatcher:
         return []
 
 
-def pid_of(replica: ReplicaRecord) -> int:
-    pid = replica.handle["pid"]
-    assert isinstance(pid, int)
-    return pid
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-async def ready_view(
-    store: Store, name: str, n: int, version: int | None = None
-) -> ops.ServiceView:
-    """Wait until exactly `n` replicas exist, all READY (of `version` if given)."""
-
-    def done(view: ops.ServiceView) -> bool:
-        return (
-            len(view.replicas) == n
-            and all(r.status == "READY" for r in view.replicas)
-            and (version is None or all(r.version == version for r in view.replicas))
-        )
-
-    return await ops.wait_for(store, name, done, timeout=30)
-
-
 async def event_kinds(store: Store, name: str) -> list[str]:
     return [e.kind for e in await store.events(name, count=1000)]
-
-
-async def proxy_for(proxy_factory: ProxyFactory, redis_url: str, prefix: str, name: str) -> str:
-    proxy = await proxy_factory.astart(
-        "--redis", redis_url, "--service", name, "--redis-prefix", prefix,
-        "--shutdown-grace", "1", wait="ready",
-    )  # fmt: skip
-    return proxy.url
 
 
 # -- lifecycle with real replicas ----------------------------------------------------------
@@ -214,14 +144,14 @@ async def test_up_serves_the_replicas_then_down_removes_everything(
     assert kinds.count("launch") == 2 and kinds.count("ready") == 2
 
     pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
-    assert all(alive(pid) for pid in pids)
+    assert all(running(pid) for pid in pids)
     await ops.down(store, "svc")
-    await eventually(lambda: not any(alive(pid) for pid in pids), within=15, what="terminated")
+    await until(lambda: not any(running(pid) for pid in pids), timeout=15, what="terminated")
 
-    deadline = time.monotonic() + 15
-    while await store.services():
-        assert time.monotonic() < deadline, "service not unregistered"
-        await asyncio.sleep(0.05)
+    async def unregistered() -> bool:
+        return not await store.services()
+
+    await until(unregistered, timeout=15, what="the service to be unregistered")
     final = await store.snapshot("svc")
     assert final is not None and final.status == "SHUTTING_DOWN" and final.replicas == ()
 
@@ -279,7 +209,7 @@ async def test_spec_update_replaces_replicas_without_a_failed_request(
             await ops.update(store, "svc", make_spec(2, env="b"), mode=mode)
             await ready_view(store, "svc", 2, version=2)
             served = len(traffic.outcomes)
-            await eventually(lambda: len(traffic.outcomes) > served + 5, what="traffic after")
+            await until(lambda: len(traffic.outcomes) > served + 5, what="traffic after")
 
     assert traffic.failures() == [], traffic.failures()[:5]
     assert traffic.slower_than(2.0) == []
@@ -318,10 +248,10 @@ async def test_drain_keeps_an_in_flight_request_alive(
 
     async with aiohttp.ClientSession() as session:
         requests = [asyncio.create_task(slow(session)) for _ in range(2)]
-        deadline = time.monotonic() + 5
-        while [await in_flight(r.url or "") for r in view.replicas] != [1, 1]:
-            assert time.monotonic() < deadline, "the slow requests did not spread"
-            await asyncio.sleep(0.02)
+        async def spread() -> bool:
+            return [await in_flight(r.url or "") for r in view.replicas] == [1, 1]
+
+        await until(spread, timeout=5, what="one slow request on each replica")
         await ops.update(store, "svc", make_spec(1))
         draining = await ops.wait_for(
             store, "svc", lambda v: any(r.status == "SHUTTING_DOWN" for r in v.replicas), 5
@@ -334,7 +264,7 @@ async def test_drain_keeps_an_in_flight_request_alive(
     assert sorted(results) == [(200, "1"), (200, "2")]
     pid = pid_of(next(r for r in (await store.replicas("svc")).values() if r.id == 2))
     await ready_view(store, "svc", 1)  # replica 2 terminated after the drain and deleted
-    assert not alive(pid)
+    assert not running(pid)
 
 
 async def test_killed_replica_is_replaced(store: Store, start_controller: StartController) -> None:
@@ -393,7 +323,7 @@ async def test_a_never_ready_version_stops_launching_and_status_says_why(
     )
     assert view.launch_blocked is not None and "initial_delay_seconds=1" in view.launch_blocked
     failed = next(r for r in (await store.replicas("svc")).values() if r.version == 3)
-    await eventually(lambda: not failed.handle or not alive(pid_of(failed)), within=10)
+    await until(lambda: not failed.handle or not running(pid_of(failed)), timeout=10)
 
     # v4 works again: it replaces v1, and the failed records of older versions go.
     await ops.update(store, "svc", make_spec(1, env="fixed"))
@@ -522,7 +452,7 @@ async def test_a_replica_on_the_yamls_fixed_port_is_probed_there(
 ) -> None:
     # A Sky Serve YAML: the run command listens on the port the YAML names, not $PORT.
     port = free_port()
-    run = f"exec {sys.executable} -m tests.replica_app --port {port} --id $SLUICE_REPLICA_ID"
+    run = RUN.replace("$PORT", str(port))  # the port the YAML names
     doc: dict[str, Any] = {
         "service": {"readiness_probe": PROBE, "replicas": 1, "ports": port},
         "resources": {"ports": port},
@@ -588,11 +518,11 @@ async def test_leader_failover_adopts_the_replicas(
     standby_started = asyncio.Event()
     standby: asyncio.Task[None] | None = None
     try:
-        deadline = time.monotonic() + 15
-        while not (await store.lease_holder() or "").startswith("leader:"):
+        async def leading() -> bool:
             assert leader.poll() is None, (tmp_path / "leader.log").read_text()
-            assert time.monotonic() < deadline, "the leader never took the lease"
-            await asyncio.sleep(0.05)
+            return (await store.lease_holder() or "").startswith("leader:")
+
+        await until(leading, timeout=15, what="the leader to take the lease")
         standby = asyncio.create_task(
             run_controller(dataclasses.replace(config, holder="standby"), started=standby_started)
         )
@@ -612,7 +542,7 @@ async def test_leader_failover_adopts_the_replicas(
         await ready_view(store, "svc", 3, version=2)
         replicas = await store.replicas("svc")
         assert {i: pid_of(replicas[i]) for i in (1, 2)} == pids
-        assert all(alive(pid) for pid in pids.values())
+        assert all(running(pid) for pid in pids.values())
     finally:
         if leader.poll() is None:
             leader.kill()
@@ -621,7 +551,7 @@ async def test_leader_failover_adopts_the_replicas(
             standby.cancel()  # terminate_on_close: stops every replica, adopted ones too
             with contextlib.suppress(asyncio.CancelledError):
                 await standby
-    assert not any(alive(pid) for pid in pids.values())
+    assert not any(running(pid) for pid in pids.values())
     assert await store.lease_holder() is None  # released on the way out
 
 
@@ -680,9 +610,9 @@ async def test_local_backend_setup_once_env_workdir_and_termination(tmp_path: Pa
     launched = await asyncio.gather(*(backend.launch("svc", i, 1, spec) for i in (1, 2)))
     await backend.launch("svc", 3, 1, spec)
     assert (workdir / "setup.count").read_text() == "ran\n"  # once per version
-    await eventually(lambda: (workdir / "out-2").exists(), what="replica output")
+    await until(lambda: (workdir / "out-2").exists(), what="replica output")
     port = launched[1].handle["port"]
-    await eventually(lambda: (workdir / "out-2").read_text().strip() != "", what="output")
+    await until(lambda: (workdir / "out-2").read_text().strip() != "", what="output")
     assert (workdir / "out-2").read_text().split() == [str(port), "2", "2", "hi", str(workdir)]
     assert launched[1].url == f"http://127.0.0.1:{port}"
     assert all(backend.exited(x.handle) is None for x in launched)
@@ -693,7 +623,7 @@ async def test_local_backend_setup_once_env_workdir_and_termination(tmp_path: Pa
     assert recovered is not None and recovered.handle == launched[1].handle
     assert successor.exited(launched[0].handle) is None
     # Replica 1 must have set its trap before the SIGTERM, or it dies of it.
-    await eventually(lambda: (workdir / "out-1").exists() and (workdir / "out-1").read_text()
+    await until(lambda: (workdir / "out-1").exists() and (workdir / "out-1").read_text()
                      .strip() != "", what="replica 1 output")
     await successor.terminate(launched[0].handle)  # ignores SIGTERM: SIGKILLed
     assert successor.exited(launched[0].handle) is not None

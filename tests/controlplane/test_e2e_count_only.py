@@ -29,10 +29,11 @@ from controlplane import ops
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.store import Store
-from tests.controlplane.traffic import Traffic
-from tests.fixtures_replicas import ProxyFactory
+from tests.support.builders import ready_view
+from tests.support.poll import until
+from tests.support.processes import REPO, ProxyFactory
+from tests.support.traffic import Traffic
 
-REPO = Path(__file__).resolve().parents[2]
 HEALTH_DELAY = 2.0
 UPDATES = 10
 RATE = 20.0
@@ -51,7 +52,7 @@ def spec(replicas: int) -> ServiceSpec:
                 "replicas": replicas,
             },
             "workdir": str(REPO),
-            "run": f"exec {sys.executable} -m tests.slow_health_replica --port $PORT"
+            "run": f"exec {sys.executable} -m tests.support.slow_health_replica --port $PORT"
             f" --id $SLUICE_REPLICA_ID --health-delay {HEALTH_DELAY}",
         }
     )
@@ -59,20 +60,13 @@ def spec(replicas: int) -> ServiceSpec:
 
 async def settled(store: Store, n: int) -> ops.ServiceView:
     """n replicas, all READY, nothing draining."""
-    return await ops.wait_for(
-        store,
-        "llm",
-        lambda v: len(v.replicas) == n and all(r.status == "READY" for r in v.replicas),
-        timeout=30,
-    )
+    return await ready_view(store, "llm", n)
 
 
 async def served_by(traffic: Traffic, replica: str, within: float = 10.0) -> None:
     """Until `replica` answered 3 requests."""
-    deadline = time.monotonic() + within
-    while sum(o.replica == replica for o in traffic.outcomes) < 3:
-        assert time.monotonic() < deadline, f"replica {replica} never served"
-        await asyncio.sleep(0.05)
+    await until(lambda: sum(o.replica == replica for o in traffic.outcomes) >= 3,
+                timeout=within, what=f"replica {replica} to serve 3 requests")  # fmt: skip
 
 
 @pytest.mark.slow

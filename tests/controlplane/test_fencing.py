@@ -9,8 +9,7 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,11 @@ from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus
 from controlplane.store import LeaseLost, Mutation, Store
-from tests.controlplane.test_controller import REPO, alive, make_spec, pid_of, ready_view
-from tests.faultproxy import FaultProxy
-from tests.fixtures_redis import eventually
+from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.cli import spawn_sluice
+from tests.support.faultproxy import FaultProxy
+from tests.support.pids import running
+from tests.support.poll import until
 
 
 class ControllerProcess:
@@ -32,13 +33,7 @@ class ControllerProcess:
 
     def __init__(self, log: Path, argv: list[str]) -> None:
         self.log = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "controlplane.cli", "controller", *argv],
-                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
+        self.proc = spawn_sluice(["controller", *argv], log)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -63,6 +58,13 @@ def controllers(redis_url: str, redis_prefix: str, tmp_path: Path) -> Iterator[
     yield started
     for controller in started:
         controller.stop()
+
+
+def lease_expired(store: Store) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await store.lease_holder() is None
+
+    return check
 
 
 def controller_argv(
@@ -94,7 +96,7 @@ async def test_two_controllers_with_the_same_holder_one_leads(
         )
 
     # Each logs whether it took the lease or found it taken; both starting up counts.
-    await eventually(lambda: all(roles()), within=30, what="both controllers to start")
+    await until(lambda: all(roles()), timeout=30, what="both controllers to start")
     assert roles() == ["leads", "stands by"], [c.text() for c in controllers]
     holder = await store.lease_holder()
     assert holder is not None and holder.startswith("ctl:") and holder != "ctl"
@@ -104,7 +106,7 @@ async def test_two_controllers_with_the_same_holder_one_leads(
     standby = next(c for c in controllers if c is not leader)
     leader.proc.kill()
     leader.proc.wait()
-    await eventually(lambda: ": leading" in standby.text(), within=30, what="a takeover")
+    await until(lambda: ": leading" in standby.text(), timeout=30, what="a takeover")
     new_holder = await store.lease_holder()
     assert new_holder is not None and new_holder.startswith("ctl:") and new_holder != holder
 
@@ -128,20 +130,18 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         leader.proc.send_signal(signal.SIGSTOP)
         # Past its TTL: the lease expires, and a successor takes it. Its value is what a
         # second controller started with the same --holder used to write.
-        async with asyncio.timeout(20):
-            while await store.lease_holder() is not None:
-                await asyncio.sleep(0.05)
+        await until(lease_expired(store), timeout=20, what="the lease to expire")
         assert await store.acquire_lease("ctl", 60)
         # The fleet needs repair: the paused leader would replace this replica.
         os.killpg(replica_pid, signal.SIGKILL)
-        await eventually(lambda: not alive(replica_pid), what="the replica to die")
+        await until(lambda: not running(replica_pid), what="the replica to die")
         await store.nudge("svc")
         resumed_at = len(leader.text())
         leader.proc.send_signal(signal.SIGCONT)
 
-        await eventually(
+        await until(
             lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-            within=30, what="the resumed leader to step down",
+            timeout=30, what="the resumed leader to step down",
         )  # fmt: skip
         after = leader.text()[resumed_at:]
         assert leader.proc.poll() is None, after
@@ -178,20 +178,18 @@ async def test_a_resumed_leader_s_next_commit_is_refused(
         replica_pid = pid_of(before[1])
         try:
             leader.proc.send_signal(signal.SIGSTOP)
-            async with asyncio.timeout(30):
-                while await store.lease_holder() is not None:
-                    await asyncio.sleep(0.05)
+            await until(lease_expired(store), timeout=30, what="the lease to expire")
             assert await store.acquire_lease("successor", 60)
             proxy.drop_commands(b"EVALSHA")  # the lease scripts: renewal never answers
             os.killpg(replica_pid, signal.SIGKILL)
-            await eventually(lambda: not alive(replica_pid), what="the replica to die")
+            await until(lambda: not running(replica_pid), what="the replica to die")
             await store.nudge("svc")
             resumed_at = len(leader.text())
             leader.proc.send_signal(signal.SIGCONT)
 
-            await eventually(
+            await until(
                 lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-                within=30, what="the resumed leader to step down",
+                timeout=30, what="the resumed leader to step down",
             )  # fmt: skip
             after = leader.text()[resumed_at:]
             assert "commit refused: the leader lease is successor's" in after, after
@@ -307,10 +305,10 @@ async def test_terminate_on_close_needs_the_lease_to_be_ours_or_free(
             assert await store.acquire_lease("successor", 60)
         await controller.aclose()
         if lease == "expired":  # nobody else leads: stopped, records deleted
-            assert not [pid for pid in pids if alive(pid)]
+            assert not [pid for pid in pids if running(pid)]
             assert await store.replicas("svc") == {}
         else:  # the successor's fleet now: untouched
-            assert all(alive(pid) for pid in pids)
+            assert all(running(pid) for pid in pids)
             assert list(await store.replicas("svc")) == [1]
     finally:
         runner.cancel()

@@ -22,7 +22,7 @@ from controlplane import lease
 from controlplane.errors import LeaseLost
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
-from tests.fixtures_redis import eventually
+from tests.support.poll import until
 
 
 class Recording(Store):
@@ -90,7 +90,7 @@ async def test_lead_returns_at_the_first_renewal_that_finds_the_lease_stolen(
 ) -> None:
     run = Run()
     task = await _leading(recording, 1.5, run)
-    await eventually(lambda: True in recording.renewals, within=10, what="a renewal")
+    await until(lambda: True in recording.renewals, timeout=10, what="a renewal")
     before = len(recording.renewals)
     await redis_client.set(recording.keys.leader, "b")  # a successor took it over
     await asyncio.wait_for(task, 10)
@@ -199,7 +199,7 @@ async def test_acquire_waits_until_the_lease_is_free(
     assert await store.acquire_lease("b", 30)
     with caplog.at_level(logging.INFO, logger="sluice.controller"):
         waiting = asyncio.create_task(lease.acquire(store, "a", 0.3))
-        await eventually(lambda: "standing by (the lease is b's)" in caplog.text, within=10)
+        await until(lambda: "standing by (the lease is b's)" in caplog.text, timeout=10)
         assert not waiting.done()
         assert await store.release_lease("b")
         await asyncio.wait_for(waiting, 10)

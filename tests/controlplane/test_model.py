@@ -41,6 +41,7 @@ from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import Committed, MutationPlan, Store
 from proxy.wire.snapshot import ReadySnapshot
+from tests.support import builders
 
 R = TypeVar("R")
 
@@ -503,7 +504,7 @@ async def test_an_ops_write_between_read_and_commit_makes_the_controller_plan_ag
 
 
 def _replica(i: int, version: int, status: ReplicaStatus) -> ReplicaRecord:
-    return ReplicaRecord(id=i, version=version, status=status, url=f"http://127.0.0.1:{i}")
+    return builders.replica(i, version=version, status=status)  # short, for the tables below
 
 
 def test_rollout_rules() -> None:

@@ -24,8 +24,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -34,15 +32,18 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import trustme
-from click.testing import CliRunner, Result
+from click.testing import Result
 
 from controlplane import ops
-from controlplane.cli import cli
 from controlplane.reconcile import ControllerConfig, run_controller
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
 from controlplane.spec import parse_spec
 from controlplane.store import Store
-from tests.fixtures_replicas import HOST, REPO, ProxyFactory, ReplicaFactory, free_port, http_get
+from tests.support.cli import sluice, spawn_sluice
+from tests.support.pids import descendants
+from tests.support.poll import until, until_sync
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, http_get
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"
@@ -188,10 +189,10 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
             return (sum(int(v) for v in counts.values()) >= 20 and len(inflight) == 1
                     and len(heartbeats) == 1)
 
-        deadline = time.monotonic() + 15
-        while not await reported():
-            assert time.monotonic() < deadline, proxy.output()
-            await asyncio.sleep(0.1)
+        try:
+            await until(reported, timeout=15, what="the proxy's counts, in-flight and heartbeat")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{proxy.output()}") from None
     finally:
         await admin.aclose()
     for trouble in ("NOPERM", "flush failed", "nudge failed", "Traceback"):
@@ -247,15 +248,6 @@ def test_controller_acl_user_cannot_administer_redis(acl_server: EmbeddedRedis) 
         as_controller.close()
 
 
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else []:
-        with contextlib.suppress(OSError):
-            for kid in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                out += [int(kid), *_descendants(int(kid))]
-    return out
-
-
 # -- TLS -------------------------------------------------------------------------------------
 
 
@@ -283,11 +275,6 @@ def tls_server(redis7: str, tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, Pat
         server.stop()
 
 
-def _sluice(*args: str, env: dict[str, str] | None = None) -> Result:
-    base = {"SLUICE_REDIS_URL": "", "SLUICE_REDIS_CA_FILE": ""}
-    return CliRunner().invoke(cli, list(args), env={**base, **(env or {})})
-
-
 def _ok(result: Result) -> str:
     assert result.exit_code == 0, result.output
     return result.stdout
@@ -299,12 +286,12 @@ def test_tls_needs_the_ca_file_and_a_rediss_url(
     server, ca = tls_server
     state = str(tmp_path / "st")
     # Without the CA the server's certificate is not trusted: one clear line.
-    result = _sluice("status", "--redis", server.url, "--state-dir", state)
+    result = sluice("status", "--redis", server.url, "--state-dir", state)
     assert result.exit_code == 1 and "certificate verify failed" in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
     # A CA file with a plain redis:// URL is a mistake, said so.
     plain = server.url.replace("rediss://", "redis://")
-    result = _sluice("status", "--redis", plain, "--redis-ca-file", str(ca), "--state-dir", state)
+    result = sluice("status", "--redis", plain, "--redis-ca-file", str(ca), "--state-dir", state)
     assert result.exit_code == 1 and "needs a rediss://" in result.stderr, result.output
     # The plain protocol does not get through a TLS port.
     client = redis.Redis.from_url(plain, socket_timeout=5)
@@ -344,50 +331,44 @@ def test_sluice_run_and_every_command_over_tls(
     idle = tmp_path / "idle.yaml"
     idle.write_text(IDLE_SPEC)
     state, log, port = tmp_path / "state", tmp_path / "run.log", free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
-           "SLUICE_REDIS_URL": server.url}  # fmt: skip
-    env.pop("SLUICE_REDIS_CA_FILE", None)
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec), "--redis-ca-file",
-            str(ca), "--state-dir", str(state), "--host", HOST, "--port", str(port),
-            "--drain-seconds", "0", "--down-timeout", "20"]  # fmt: skip
+    env = {"SLUICE_REDIS_URL": server.url, "SLUICE_REDIS_CA_FILE": None}
+    argv = ["run", str(spec), "--redis-ca-file", str(ca), "--state-dir", str(state),
+            "--host", HOST, "--port", str(port), "--drain-seconds", "0",
+            "--down-timeout", "20"]  # fmt: skip
     explicit = ["--redis", server.url, "--redis-ca-file", str(ca), "--state-dir", str(tmp_path)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+    proc = spawn_sluice(argv, log, env)
     try:
-        deadline = time.monotonic() + 60
-        while True:  # the controller launched the replica, the proxy follows it: over TLS
+        def served() -> bool:  # the controller launched the replica, the proxy follows it
             assert proc.poll() is None, f"sluice run exited:\n{log.read_text()}"
             with contextlib.suppress(OSError):
-                if http_get(HOST, port, "/hello", timeout=2.0)[0] == 200:
-                    break
-            assert time.monotonic() < deadline, f"no 200 within 60s:\n{log.read_text()}"
-            time.sleep(0.1)
+                return http_get(HOST, port, "/hello", timeout=2.0)[0] == 200
+            return False
+
+        until_sync(served, timeout=60, what=f"a 200 over TLS-fed routing on port {port}")
 
         # A password given in the URL is kept out of run.json and every child's argv too.
         assert ADMIN_PASSWORD not in (state / "run.json").read_text()
-        for pid in _descendants(proc.pid):
+        for pid in descendants(proc.pid):
             with contextlib.suppress(OSError):
                 assert ADMIN_PASSWORD not in Path(f"/proc/{pid}/cmdline").read_text()
 
         # Through the run's state dir (its password file and CA file) ...
-        views = json.loads(_ok(_sluice("status", "tlsecho", "--json", "--state-dir", str(state))))
+        views = json.loads(_ok(sluice("status", "tlsecho", "--json", "--state-dir", str(state))))
         assert views[0]["ready"] == 1
         # ... with the options ...
-        assert json.loads(_ok(_sluice("snapshot", "tlsecho", "--json", *explicit)))["replicas"]
-        _ok(_sluice("logs", "tlsecho", "--replica", "1", "--no-follow", *explicit[:4],
+        assert json.loads(_ok(sluice("snapshot", "tlsecho", "--json", *explicit)))["replicas"]
+        _ok(sluice("logs", "tlsecho", "--replica", "1", "--no-follow", *explicit[:4],
                     "--state-dir", str(state)))  # fmt: skip
-        _ok(_sluice("replica", "add", "tlsecho", f"http://{HOST}:9", *explicit))
-        _ok(_sluice("replica", "remove", "tlsecho", f"http://{HOST}:9", *explicit))
-        _ok(_sluice("up", str(idle), "-n", "idle", *explicit))
-        _ok(_sluice("update", "idle", str(idle), *explicit))
+        _ok(sluice("replica", "add", "tlsecho", f"http://{HOST}:9", *explicit))
+        _ok(sluice("replica", "remove", "tlsecho", f"http://{HOST}:9", *explicit))
+        _ok(sluice("up", str(idle), "-n", "idle", *explicit))
+        _ok(sluice("update", "idle", str(idle), *explicit))
         # ... and through the environment.
         tls_env = {"SLUICE_REDIS_URL": server.url, "SLUICE_REDIS_CA_FILE": str(ca)}
-        _ok(_sluice("down", "idle", "-y", "--state-dir", str(tmp_path), env=tls_env))
-        while _sluice("status", "idle", *explicit).exit_code == 0:  # until unregistered
-            assert time.monotonic() < deadline + 60, log.read_text()
-            time.sleep(0.1)
-        _ok(_sluice("down", "tlsecho", "-y", "--state-dir", str(tmp_path), env=tls_env))
+        _ok(sluice("down", "idle", "-y", "--state-dir", str(tmp_path), env=tls_env))
+        until_sync(lambda: sluice("status", "idle", *explicit).exit_code != 0, timeout=60,
+                   what="`idle` to be unregistered", interval=0.1)  # fmt: skip
+        _ok(sluice("down", "tlsecho", "-y", "--state-dir", str(tmp_path), env=tls_env))
         code = proc.wait(timeout=60)  # the run sees its service go and stops everything
     finally:
         if proc.poll() is None:

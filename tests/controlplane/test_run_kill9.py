@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,8 +25,12 @@ from controlplane import ops, processes
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
-from tests.controlplane.test_controller import alive, make_spec, pid_of, ready_view
-from tests.fixtures_replicas import HOST, REPO, free_port
+from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.cli import spawn_sluice
+from tests.support.pids import running
+from tests.support.poll import until_sync
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO
 
 SETTLE = 90.0  # bound for everything to be gone after the kill (a busy 2-core box)
 
@@ -53,7 +56,7 @@ def _comm(pid: int) -> str:
 
 
 def write_spec(path: Path, marker: str, *, setup: bool) -> None:
-    run = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
+    run = f"exec {sys.executable} -m tests.support.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
     key, value = marker.split("=", 1)
     path.write_text(
         # A setup that never ends: bash and its child sleep, one process group.
@@ -71,13 +74,9 @@ def write_spec(path: Path, marker: str, *, setup: bool) -> None:
 
 @contextlib.contextmanager
 def sluice_run(spec: Path, state: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec), "-n", "k9",
-            "--state-dir", str(state), "--host", HOST, "--port", str(free_port()),
-            "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    argv = ["run", str(spec), "-n", "k9", "--state-dir", str(state), "--host", HOST,
+            "--port", str(free_port()), "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    proc = spawn_sluice(argv, log)
     try:
         yield proc
     finally:
@@ -86,13 +85,12 @@ def sluice_run(spec: Path, state: Path, log: Path) -> Iterator[subprocess.Popen[
         proc.wait(10)
 
 
-def wait_for(predicate: object, within: float, what: str, log: Path) -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}\n{log.read_text()}")
-        time.sleep(0.05)  # polling other processes' state; bounded by the deadline
+def wait_for(predicate: Callable[[], object], within: float, what: str, log: Path) -> None:
+    """`until_sync`, with the run's log in the failure."""
+    try:
+        until_sync(predicate, timeout=within, what=what, interval=0.05)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{log.read_text()}")
 
 
 @pytest.mark.slow
@@ -128,11 +126,8 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
             if setup:
                 # Its handle file follows the spawn by microseconds; no need to fail here
                 # if it never comes (that is what the assertion below catches).
-                deadline = time.monotonic() + 5
-                while not (state / "k9" / "setup-v1.json").exists():
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.05)
+                with contextlib.suppress(AssertionError):
+                    until_sync((state / "k9" / "setup-v1.json").exists, timeout=5)
                 setup_handle = state / "k9" / "setup-v1.json"
                 if setup_handle.exists():  # private like every state file
                     assert setup_handle.stat().st_mode & 0o777 == 0o600
@@ -186,7 +181,7 @@ async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
         server.kill()
         try:
             await controller.aclose()
-            assert not [pid for pid in pids if alive(pid)]
+            assert not [pid for pid in pids if running(pid)]
         finally:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):

@@ -6,48 +6,30 @@ Also the local backend alone: a replica never inherits the controller's Redis UR
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import signal
 import stat
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
-from click.testing import CliRunner
 
 from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
-from controlplane.cli import cli
 from controlplane.redisserver import EmbeddedRedis
 from controlplane.spec import parse_spec
-from tests.fixtures_replicas import HOST, REPO, ProxyFactory, free_port, http_get
+from tests.support.cli import sluice, spawn_sluice
+from tests.support.pids import descendants, kill_all
+from tests.support.poll import until, until_sync
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, ProxyFactory, http_get
 
 HOST_SECRET = "host-secret-not-for-replicas"
 SECRET_URL = "redis://:replica-must-not-see-this@127.0.0.1:1/0"
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}") else []:
-        with contextlib.suppress(OSError):
-            for kid in Path(f"/proc/{pid}/task/{task}/children").read_text().split():
-                out += [int(kid), *_descendants(int(kid))]
-    return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return text[text.rfind(")") + 2] not in "ZX"
 
 
 def _mode(path: Path) -> int:
@@ -91,40 +73,31 @@ def sluice_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     spec = tmp / "envdump.yaml"
     spec.write_text(SPEC.format(workdir=REPO / "examples", env_out=env_out))
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO),
-           "MY_CLOUD_TOKEN": HOST_SECRET, "CUDA_VISIBLE_DEVICES": "0",
-           "LC_ALL": "C.UTF-8"}  # fmt: skip
-    for name in ("SLUICE_REDIS_URL", "SLUICE_REDIS_CA_FILE", "SLUICE_STATE_DIR"):
-        env.pop(name, None)
-    argv = [sys.executable, "-m", "controlplane.cli", "run", str(spec),
-            "--state-dir", str(state), "--host", HOST, "--port", str(port),
+    env = {"MY_CLOUD_TOKEN": HOST_SECRET, "CUDA_VISIBLE_DEVICES": "0", "LC_ALL": "C.UTF-8",
+           "SLUICE_REDIS_URL": None, "SLUICE_REDIS_CA_FILE": None,
+           "SLUICE_STATE_DIR": None}  # fmt: skip
+    argv = ["run", str(spec), "--state-dir", str(state), "--host", HOST, "--port", str(port),
             "--drain-seconds", "0", "--down-timeout", "20"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+    proc = spawn_sluice(argv, log, env)
     started: set[int] = {proc.pid}
     try:
-        deadline = time.monotonic() + 60
-        while True:
+        def served() -> bool:
             assert proc.poll() is None, f"sluice run exited:\n{log.read_text()}"
             with contextlib.suppress(OSError):
-                if http_get(HOST, port, "/hello", timeout=2.0)[0] == 200:
-                    break
-            assert time.monotonic() < deadline, f"no 200 within 60s:\n{log.read_text()}"
-            time.sleep(0.1)
+                return http_get(HOST, port, "/hello", timeout=2.0)[0] == 200
+            return False
+
+        until_sync(served, timeout=60, what=f"a 200 from /hello on port {port}")
         info = json.loads((state / "run.json").read_text())
-        started.update(_descendants(proc.pid))
+        started.update(descendants(proc.pid))
         yield Run(proc, state, log, env_out, info, sorted(started))
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
         assert not (state / "redis" / "password").exists()  # removed with run.json
     finally:
         if proc.poll() is None:
-            started.update(_descendants(proc.pid))
-        for pid in started:
-            if _running(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            started.update(descendants(proc.pid))
+        kill_all(started)
         proc.wait(10)
     assert "Traceback" not in log.read_text()
 
@@ -152,8 +125,7 @@ def test_embedded_redis_refuses_clients_without_the_password(sluice_run: Run) ->
     finally:
         stranger.close()
     # The ops commands find the password through the state dir.
-    argv = ["status", "envdump", "--json", "--state-dir", str(sluice_run.state)]
-    status = CliRunner().invoke(cli, argv, env={"SLUICE_REDIS_URL": ""})
+    status = sluice("status", "envdump", "--json", "--state-dir", str(sluice_run.state))
     assert status.exit_code == 0, status.output
     assert json.loads(status.stdout)[0]["ready"] == 1
 
@@ -229,10 +201,7 @@ async def test_local_replica_never_inherits_the_controllers_redis_url(tmp_path: 
                        "run": 'env -0 >"$OUT.tmp"; mv "$OUT.tmp" "$OUT"; exec sleep 30'})
     launched = await backend.launch("svc", 1, 1, spec)
     try:
-        deadline = time.monotonic() + 10
-        while not out.exists():
-            assert time.monotonic() < deadline, "the replica wrote no environment dump"
-            await asyncio.sleep(0.02)
+        await until(out.exists, timeout=10, what="the replica's environment dump")
         env = _env_dump(out)
     finally:
         await backend.terminate(launched.handle)

@@ -17,24 +17,11 @@ from controlplane.redissentinel import SentinelGroup
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.cli import proxy_command
-from tests.fixtures_replicas import REPO
+from tests.support.poll import retrying
+from tests.support.processes import REPO
 
 pytestmark = pytest.mark.slow
 ECHO = REPO / "examples" / "echo.yaml"
-
-
-async def retrying(make: Callable[[], object]) -> object:
-    """Retry one store call over the connections a failover closes (as the controller's
-    loop does on its next step)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while True:
-        try:
-            return await make()  # type: ignore[misc]
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("how", ["sentinel-failover", "sigkill"])
@@ -55,11 +42,14 @@ async def test_commits_and_the_lease_continue_on_the_new_primary(
         else:
             await asyncio.to_thread(group.failover)
         # The lease is held on the new primary: renewed by its holder, refused to others.
-        assert await retrying(lambda: store.renew_lease("leader-a", 30.0)) is True
+        renewed = await retrying(lambda: store.renew_lease("leader-a", 30.0),
+                                 on=(StoreUnavailable,))  # fmt: skip
+        assert renewed is True
         assert await store.acquire_lease("leader-b", 30.0) is False
         second = await retrying(lambda: store.commit("svc", replica_updates=[
-            ReplicaRecord(id=2, status=ReplicaStatus.READY, url="http://127.0.0.1:23002")]))
-        assert second.generation == first.generation + 1  # type: ignore[attr-defined]
+            ReplicaRecord(id=2, status=ReplicaStatus.READY, url="http://127.0.0.1:23002")]),
+            on=(StoreUnavailable,))  # fmt: skip
+        assert second.generation == first.generation + 1
         snap = await store.snapshot("svc")
         assert snap is not None and len(snap.replicas) == 2
 

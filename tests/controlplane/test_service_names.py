@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import redis
 from click.testing import CliRunner
 
 from controlplane import ops
@@ -18,21 +17,14 @@ from controlplane.cli import cli
 from controlplane.records import InvalidServiceName, check_service_name
 from controlplane.spec import load_spec, parse_spec
 from controlplane.store import Store
-from tests.fixtures_replicas import REPO
+from tests.support.cli import redis_keys
+from tests.support.processes import REPO
 
 ECHO = REPO / "examples" / "echo.yaml"
 
 BAD = ["../evil", "a/b", "..", "Echo", "my_svc", "a.b", "-x", "x-", "1abc", "a" * 64, "a b",
        "a:b", "é"]  # fmt: skip
 GOOD = ["a", "echo", "llm-70b", "v2", "a" * 63]
-
-
-def _keys(url: str, prefix: str) -> list[bytes]:
-    client = redis.Redis.from_url(url)
-    try:
-        return list(client.scan_iter(match=f"{prefix}:*"))
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("name", BAD)
@@ -56,7 +48,7 @@ def test_cli_up_refuses_a_bad_name_before_redis(
     assert result.exit_code == 2, result.output
     assert "invalid service name" in result.stderr
     assert "lowercase letters, digits and '-'" in result.stderr
-    assert _keys(redis_url, redis_prefix) == []
+    assert redis_keys(redis_url, redis_prefix) == []
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "Echo"])
@@ -91,7 +83,7 @@ async def test_ops_up_refuses_a_bad_name(
 ) -> None:
     with pytest.raises(InvalidServiceName):
         await ops.up(store, name, load_spec(ECHO))
-    assert _keys(redis_url, redis_prefix) == []
+    assert redis_keys(redis_url, redis_prefix) == []
 
 
 async def test_ops_up_accepts_the_longest_name(store: Store) -> None:

@@ -1,15 +1,13 @@
 """The SkyPilot backend: names, the task it builds, and the real controller driving it
-end to end against a FAKE SkyPilot (tests/skypilot_fake.py: local processes stand in
+end to end against a FAKE SkyPilot (tests/support/skypilot_fake.py: local processes stand in
 for clusters) with a real redis-server and real replica processes."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import io
 import re
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,18 +34,12 @@ from controlplane.records import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store
-from tests.fixtures_redis import eventually
-from tests.skypilot_fake import FakeSkyPilot
+from tests.support.builders import PROBE, RUN, ready_view
+from tests.support.controllers import Controllers
+from tests.support.poll import must_finish, until
+from tests.support.processes import REPO
+from tests.support.skypilot_fake import FakeSkyPilot
 
-REPO = Path(__file__).resolve().parents[2]
-RUN = f"exec {sys.executable} -m tests.replica_app --port $PORT --id $SLUICE_REPLICA_ID"
-PROBE: dict[str, Any] = {
-    "path": "/health",
-    "endpoint_probe_interval_seconds": 0.2,
-    "timeout_seconds": 2,
-    "initial_delay_seconds": 20,
-    "consecutive_failure_threshold_timeout": 2,
-}
 FAST = SkyPilotConfig(
     namespace="t",
     launch_timeout=20.0,
@@ -81,16 +73,6 @@ def make_spec(
             "run": RUN,
         }
     )
-
-
-async def bounded(step: Awaitable[None], what: str, within: float = 30.0) -> None:
-    """A teardown step that must end: on timeout, print every task's stack and fail."""
-    try:
-        await asyncio.wait_for(step, within)
-    except TimeoutError:
-        for task in asyncio.all_tasks():
-            task.print_stack(file=sys.stderr)
-        pytest.fail(f"{what} took more than {within}s (task stacks on stderr)")
 
 
 # -- names, URLs, the task ----------------------------------------------------------------------
@@ -197,7 +179,7 @@ def test_dynamic_fallback_placer_tries_preempted_locations_last() -> None:
 async def fake(tmp_path: Path) -> AsyncIterator[FakeSkyPilot]:
     sky = FakeSkyPilot(log_dir=tmp_path)
     yield sky
-    await bounded(sky.shutdown(), "shutting the fake SkyPilot down")
+    await must_finish(sky.shutdown(), "shutting the fake SkyPilot down")
 
 
 @pytest.fixture
@@ -291,7 +273,7 @@ async def test_preempted_spot_cluster_is_seen_after_a_suspected_refresh_and_avoi
     await asyncio.sleep(0)
     assert backend.preemption(launched.handle) is None or fake.events[-1][0] == "preempt"
     backend.suspect(launched.handle)
-    await eventually(lambda: backend.preemption(launched.handle) is not None, within=5,
+    await until(lambda: backend.preemption(launched.handle) is not None, timeout=5,
                      what="the refreshed status to show the preemption")  # fmt: skip
     assert backend.preempted_locations("svc") == {("aws", "us-east-1", "us-east-1a")}
     again = await backend.launch("svc", 2, 1, spec, spot=True)
@@ -305,10 +287,10 @@ async def test_non_spot_suspicion_refreshes_at_most_once_a_minute(
 ) -> None:
     launched = await backend.launch("svc", 1, 1, make_spec())
     backend.suspect(launched.handle)
-    await eventually(lambda: fake.forced == [["t-svc-r1-v1"]], within=5, what="forced refresh")
+    await until(lambda: fake.forced == [["t-svc-r1-v1"]], timeout=5, what="forced refresh")
     backend.suspect(launched.handle)  # within the minute: no second forced refresh
     listings = fake.listings
-    await eventually(lambda: fake.listings >= listings + 2, within=5, what="two more refreshes")
+    await until(lambda: fake.listings >= listings + 2, timeout=5, what="two more refreshes")
     assert fake.forced == [["t-svc-r1-v1"]]
 
 
@@ -320,7 +302,7 @@ async def test_tail_logs_streams_the_cluster_log(
     run = "echo hello from $SLUICE_REPLICA_ID; exec sleep 60"
     spec = msgspec.structs.replace(make_spec(), run=run)
     launched = await backend.launch("svc", 1, 1, spec)
-    await eventually(lambda: fake.clusters["t-svc-r1-v1"].log.stat().st_size > 0, within=10,
+    await until(lambda: fake.clusters["t-svc-r1-v1"].log.stat().st_size > 0, timeout=10,
                      what="the replica to log")  # fmt: skip
     out = io.StringIO()
     code = await stream_logs(fake, launched.handle, follow=False, out=out)
@@ -351,7 +333,7 @@ def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfi
 async def start_controller(
     store: Store, config: ControllerConfig, fake: FakeSkyPilot
 ) -> AsyncIterator[StartController]:
-    running: list[tuple[Controller, asyncio.Task[None]]] = []
+    controllers = Controllers()
 
     async def start(**overrides: Any) -> Controller:
         cfg = dataclasses.replace(config, **overrides)
@@ -360,34 +342,15 @@ async def start_controller(
             "external": ExternalBackend(),
             "skypilot": SkyPilotBackend(FAST, sdk=fake),
         }
-        controller = Controller(store, cfg, backends=backends)
-        await controller.start()
-        running.append((controller, asyncio.create_task(controller.run())))
-        return controller
+        return await controllers.start(store, cfg, backends=backends)
 
-    async def stop(controller: Controller) -> None:
-        for entry in [e for e in running if e[0] is controller]:
-            running.remove(entry)
-            entry[1].cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await entry[1]
-        await controller.aclose()
-
-    start.stop = stop  # type: ignore[attr-defined]
+    start.stop = controllers.stop  # type: ignore[attr-defined]
     yield start
-    for controller, _task in reversed(running):
-        await bounded(stop(controller), "stopping a controller")
+    await controllers.aclose()
 
 
 async def ready(store: Store, name: str, n: int, version: int | None = None) -> ops.ServiceView:
-    def done(view: ops.ServiceView) -> bool:
-        return (
-            len(view.replicas) == n
-            and all(r.status == "READY" for r in view.replicas)
-            and (version is None or all(r.version == version for r in view.replicas))
-        )
-
-    return await ops.wait_for(store, name, done, timeout=60)
+    return await ready_view(store, name, n, version, timeout=60)  # a cloud launch is slower
 
 
 async def test_replicas_are_clusters_and_a_count_only_update_relaunches_nothing(
@@ -416,7 +379,7 @@ async def test_rolling_update_replaces_clusters_one_by_one(
     await ready(store, "svc", 2)
     await ops.update(store, "svc", make_spec(2, env="b"))
     await ready(store, "svc", 2, version=2)
-    await eventually(lambda: len(fake.names()) == 2, within=30, what="old clusters down")
+    await until(lambda: len(fake.names()) == 2, timeout=30, what="old clusters down")
     assert fake.up_names() == ["t-svc-r3-v2", "t-svc-r4-v2"]
     # One old cluster retired per new one UP: never a v1 down before a v2 cluster serves.
     ups = downs = 0
@@ -458,7 +421,7 @@ async def test_preempted_spot_replica_is_replaced_with_on_demand_fallback(
     assert view.replicas[0].id != spot.id and view.replicas[0].spot
     on_demand_after = [n for n, t in fake.launches if t["resources"]["use_spot"] is False]
     assert len(on_demand_after) > len(on_demand_before)
-    await eventually(lambda: cluster not in fake.names(), within=10, what="preempted one down")
+    await until(lambda: cluster not in fake.names(), timeout=10, what="preempted one down")
 
 
 async def test_launch_failure_shows_failed_provision_with_skypilots_reason(
@@ -507,8 +470,8 @@ async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones
     await start_controller(terminate_on_close=True)
     view = await ready(store, "svc", 3)
     assert {r.id: r.url for r in view.replicas} == urls  # the same clusters, adopted
-    await eventually(lambda: "t-svc-r9-v1" not in fake.names() and "t-gone-r1-v1"
-                     not in fake.names(), within=20, what="unrecorded clusters down")  # fmt: skip
+    await until(lambda: "t-svc-r9-v1" not in fake.names() and "t-gone-r1-v1"
+                     not in fake.names(), timeout=20, what="unrecorded clusters down")  # fmt: skip
     assert "someone-elses-cluster" in fake.names()  # not named like ours: never touched
     assert len(fake.launches) == launches_before  # adopted, nothing relaunched
     assert fake.up_names() == ["someone-elses-cluster", "t-svc-r1-v1", "t-svc-r2-v1",
@@ -524,11 +487,10 @@ async def test_down_tears_every_cluster_down(
     fake.fail_downs = 1  # one sky.down error on the way: retried
     await ops.down(store, "svc")
 
-    async def gone() -> None:
-        while "svc" in await store.services():
-            await asyncio.sleep(0.05)
+    async def gone() -> bool:
+        return "svc" not in await store.services()
 
-    await asyncio.wait_for(gone(), timeout=30)
+    await until(gone, timeout=30, what="the service to be unregistered")
     assert fake.names() == []
 
 
@@ -555,7 +517,7 @@ async def test_replica_preempt_simulation_tears_the_cluster_down_and_replaces_it
     await ops.preempt_replica(store, "svc", 1)
     view = await ready(store, "svc", 1)
     assert view.replicas[0].id == 2
-    await eventually(lambda: fake.names() == ["t-svc-r2-v1"], within=20, what="r1 torn down")
+    await until(lambda: fake.names() == ["t-svc-r2-v1"], timeout=20, what="r1 torn down")
     assert ("down", "t-svc-r1-v1") in fake.events
 
 
@@ -567,14 +529,14 @@ async def test_cluster_states_as_liveness_and_preemption(
     listings = fake.listings
     fake.clusters["t-svc-r1-v1"].status = "INIT"  # SkyPilot's "unhealthy"
     fake.clusters["t-svc-r2-v1"].status = "INIT"
-    await eventually(lambda: fake.listings >= listings + 2, within=5, what="a fresh listing")
+    await until(lambda: fake.listings >= listings + 2, timeout=5, what="a fresh listing")
     assert backend.exited(on_demand.handle) is None  # the probes judge it
     assert backend.preemption(on_demand.handle) is None  # not spot: never preempted
     assert backend.preemption(spot.handle) == "cluster t-svc-r2-v1 is INIT"
     await fake.stop("t-svc-r1-v1")
     await fake.down("t-svc-r2-v1")
     listings = fake.listings
-    await eventually(lambda: fake.listings >= listings + 2, within=5, what="a fresh listing")
+    await until(lambda: fake.listings >= listings + 2, timeout=5, what="a fresh listing")
     assert backend.exited(on_demand.handle) == "cluster t-svc-r1-v1 is STOPPED"
     assert backend.exited(spot.handle) == "cluster t-svc-r2-v1 is gone"
 
@@ -586,4 +548,4 @@ async def test_a_launch_failing_after_provisioning_never_leaves_the_machine(
     fake.fail_downs = 1  # and the first teardown request is refused
     with pytest.raises(Exception, match="setup failed: pip install exited with code 1"):
         await backend.launch("svc", 1, 1, make_spec())
-    await eventually(lambda: fake.names() == [], within=10, what="the cluster torn down")
+    await until(lambda: fake.names() == [], timeout=10, what="the cluster torn down")

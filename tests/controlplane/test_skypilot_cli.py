@@ -4,36 +4,21 @@ it cannot share the lock): one clear error, the INFRA/RESOURCES columns, and
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner, Result
 
-from controlplane.cli import cli
 from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
-from controlplane.store import Store
+from tests.support.cli import one_line_error, sluice, store_call
+from tests.support.processes import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ECHO = REPO / "examples" / "echo.yaml"
 
 needs_no_skypilot = pytest.mark.skipif(
     importlib.util.find_spec("sky") is not None, reason="SkyPilot is installed in this venv"
 )
-
-
-def sluice(*args: str) -> Result:
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def one_line_error(result: Result) -> str:
-    assert result.exit_code == 1, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.output
-    return lines[0]
 
 
 @pytest.fixture
@@ -59,18 +44,14 @@ def test_backend_choice_is_checked() -> None:
 
 
 def _add_skypilot_replica(url: str, prefix: str) -> None:
-    async def main() -> None:
-        async with Store.from_url(url, prefix=prefix) as store:
-            record = ReplicaRecord(
-                id=1, status=ReplicaStatus.READY, backend="skypilot", spot=True,
-                url="http://10.0.0.5:8080",
-                handle={"cluster": "sluice-echo-r1-v1", "cloud": "AWS", "region": "us-east-1",
-                        "zone": "us-east-1a", "instance_type": "g6.xlarge",
-                        "accelerators": "L4:1", "spot": True, "price": 0.39},
-            )  # fmt: skip
-            await store.commit("echo", replica_updates=[record])
-
-    asyncio.run(main())
+    record = ReplicaRecord(
+        id=1, status=ReplicaStatus.READY, backend="skypilot", spot=True,
+        url="http://10.0.0.5:8080",
+        handle={"cluster": "sluice-echo-r1-v1", "cloud": "AWS", "region": "us-east-1",
+                "zone": "us-east-1a", "instance_type": "g6.xlarge",
+                "accelerators": "L4:1", "spot": True, "price": 0.39},
+    )  # fmt: skip
+    store_call(url, prefix, lambda store: store.commit("echo", replica_updates=[record]))
 
 
 def test_status_shows_where_a_skypilot_replica_runs(

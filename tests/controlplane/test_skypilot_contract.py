@@ -26,8 +26,8 @@ import pytest
 from controlplane.backends.skypilot import cluster_name, task_config
 from controlplane.backends.skypilot_sdk import RESOURCES_ATTRS, SDK_CALLS, STATUS_FIELDS
 from controlplane.spec import load_spec
+from tests.support.processes import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 SCRIPT = Path(__file__).with_name("skypilot_contract.py")
 

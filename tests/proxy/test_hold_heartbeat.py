@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.proxy.harness import ManualSource, inprocess_proxy
-from tests.proxy.rawhttp import connect, get, read_chunks, read_head
+from tests.support.harness import ManualSource, inprocess_proxy
+from tests.support.rawhttp import connect, get, read_chunks, read_head
 
 STREAM_BODY = b'{"model": "m", "stream": true, "messages": []}'
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -24,28 +23,11 @@ from proxy.policies import (
 )
 from proxy.readyset import ReadySet
 from proxy.wire.policies import POLICY_NAMES
-from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
-from tests.fixtures_replicas import ProxyFactory, Replica, ReplicaFactory
-from tests.proxy.harness import (
-    BASE_ARGS,
-    ManualSource,
-    get_json,
-    inprocess_proxy,
-    replica_stats,
-    until,
-)
-
-
-@dataclass(eq=False)  # hashed by identity, like the real Replica
-class Fake:
-    name: str
-    inflight: int = 0
-    accelerator: str | None = None
-    target_qps: float | None = None
-
-
-def fakes(*loads: int) -> list[Fake]:
-    return [Fake(f"r{i}", load) for i, load in enumerate(loads)]
+from proxy.wire.snapshot import ReadyReplica
+from tests.support.builders import Fake, fakes, snapshot
+from tests.support.harness import BASE_ARGS, ManualSource, get_json, inprocess_proxy, replica_stats
+from tests.support.poll import until
+from tests.support.processes import ProxyFactory, Replica, ReplicaFactory
 
 
 def picks(policy: object, n: int, exclude: set[Fake] | None = None) -> list[str]:
@@ -216,23 +198,18 @@ def test_unknown_policy_on_the_command_line_is_refused_at_startup() -> None:
         assert name in result.output
 
 
-def _snapshot(generation: int, policy: str, *urls: str) -> ReadySnapshot:
-    return ReadySnapshot(service="s", generation=generation, published_at=0.0, policy=policy,
-                         replicas=tuple(ReadyReplica(id=i, url=u) for i, u in enumerate(urls)))
-
-
 def test_ready_set_follows_the_snapshot_policy_unless_overridden() -> None:
     ready = ReadySet()
-    ready.apply(_snapshot(1, "round_robin", "http://a:1", "http://b:1"))
+    ready.apply(snapshot(1, "http://a:1", "http://b:1", policy="round_robin"))
     assert ready.policy.name == "round_robin"
-    ready.apply(_snapshot(2, "p2c", "http://a:1"))
+    ready.apply(snapshot(2, "http://a:1", policy="p2c"))
     assert ready.policy.name == "p2c"
     assert {ready.choose(None).url for _ in range(5)} == {"http://a:1"}
-    ready.apply(_snapshot(3, "no_such_policy", "http://b:1"))
+    ready.apply(snapshot(3, "http://b:1", policy="no_such_policy"))
     assert ready.policy.name == "p2c"  # kept, not crashed
     assert ready.choose(None).url == "http://b:1"
     pinned = ReadySet(policy_override="least_load")
-    pinned.apply(_snapshot(1, "round_robin", "http://a:1"))
+    pinned.apply(snapshot(1, "http://a:1", policy="round_robin"))
     assert pinned.policy.name == "least_load"
 
 
@@ -241,7 +218,7 @@ def test_round_robin_order_is_reshuffled_when_the_set_changes() -> None:
     urls = [f"http://r{i}:1" for i in range(6)]
     orders = set()
     for gen in range(1, 21):
-        ready.apply(_snapshot(gen, "round_robin", *urls))
+        ready.apply(snapshot(gen, *urls, policy="round_robin"))
         orders.add(tuple(ready.choose(None).url for _ in urls))
     assert len(orders) > 5
 

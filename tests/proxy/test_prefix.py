@@ -18,10 +18,11 @@ import pytest
 
 from proxy.prefix import AFFINITY, FALLBACK, SPILL, json_string_after, prefix_chain, request_key
 from proxy.readyset import ReadySet
-from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
-from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
-from tests.proxy.harness import BASE_ARGS, metric, replica_stats, scrape
-from tests.proxy.rawhttp import connect
+from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
+from tests.support import builders
+from tests.support.harness import BASE_ARGS, metric, replica_stats, scrape
+from tests.support.processes import ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import connect
 
 OPTS = PrefixOptions()
 BLOCK = OPTS.block_bytes
@@ -159,9 +160,8 @@ def test_prefix_chain_is_a_chain() -> None:
 
 
 def snapshot(gen: int, *urls: str, options: PrefixOptions | None = None) -> ReadySnapshot:
-    return ReadySnapshot(service="s", generation=gen, published_at=0.0, policy="prefix",
-                         prefix_options=options,
-                         replicas=tuple(ReadyReplica(id=i, url=u) for i, u in enumerate(urls)))
+    """A snapshot of the prefix policy (its options: `options`)."""
+    return builders.snapshot(gen, *urls, policy="prefix", prefix_options=options)
 
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]
@@ -491,7 +491,8 @@ async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
         conn.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
                   + body[:300])
         # Poll the replicas until the request reached one (routed before the body ended).
-        from tests.proxy.harness import replica_stats, until
+        from tests.support.harness import replica_stats
+        from tests.support.poll import until
 
         async def arrived() -> bool:
             return any([(await replica_stats(r))["in_flight"] for r in reps])

@@ -26,11 +26,9 @@ import aiohttp
 import pytest
 import trustme
 
-from tests.fixtures_replicas import Proxy, ProxyFactory, Replica, ReplicaFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import (
+from tests.support import rawhttp
+from tests.support.harness import (
     BASE_ARGS,
-    HOST,
     ManualSource,
     ScriptedUpstream,
     get_json,
@@ -38,9 +36,11 @@ from tests.proxy.harness import (
     metric,
     replica_stats,
     scrape,
-    until,
 )
-from tests.proxy.rawhttp import get
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import Proxy, ProxyFactory, Replica, ReplicaFactory
+from tests.support.rawhttp import get
 
 SLACK = 1.5  # seconds on top of a configured timeout, for a busy 2-core machine
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures_replicas import Proxy, ProxyFactory, Replica, ReplicaFactory
-from tests.proxy import rawhttp
-from tests.proxy.harness import BASE_ARGS, ScriptedUpstream
-from tests.proxy.rawhttp import get
+from tests.support import rawhttp
+from tests.support.harness import BASE_ARGS, ScriptedUpstream
+from tests.support.processes import Proxy, ProxyFactory, Replica, ReplicaFactory
+from tests.support.rawhttp import get
 
 REQUEST_HOP = {"keep-alive", "te", "trailer", "proxy-authorization", "proxy-connection",
                "x-secret-hop", "upgrade"}

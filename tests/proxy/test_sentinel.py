@@ -13,38 +13,29 @@ from typing import Any
 import aiohttp
 import pytest
 
-from controlplane.records import ReplicaRecord, ServiceRecord
+from controlplane.records import ServiceRecord
 from controlplane.redissentinel import SentinelGroup
-from controlplane.states import ReplicaStatus, ServiceStatus
+from controlplane.states import ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
 from proxy.wire.snapshot import ReadySnapshot
-from tests.fixtures_redis import eventually
-from tests.fixtures_replicas import ProxyFactory, ReplicaFactory
-from tests.proxy.harness import get_json, until
+from tests.support.builders import replica
+from tests.support.harness import get_json
+from tests.support.poll import retrying, until
+from tests.support.processes import ProxyFactory, ReplicaFactory
 
 pytestmark = pytest.mark.slow
-
-
-def replica(i: int) -> ReplicaRecord:
-    return ReplicaRecord(id=i, status=ReplicaStatus.READY, url=f"http://127.0.0.1:{22000 + i}")
 
 
 async def commit(store: Store, *ids: int) -> ReadySnapshot:
     """Commit, riding over the connections a failover closes (the controller's loop
     does the same on its next step)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while True:
-        try:
-            return await store.commit("svc", replica_updates=[replica(i) for i in ids])
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    records = [replica(i) for i in ids]
+    return await retrying(lambda: store.commit("svc", replica_updates=records),
+                          on=(StoreUnavailable,))  # fmt: skip
 
 
 class Watched:
@@ -99,7 +90,7 @@ async def test_proxy_keeps_serving_and_follows_the_new_primary(
 ) -> None:
     group, store, source, watched = setup
     first = await commit(store, 1, 2)
-    await eventually(lambda: watched.ready_set.generation == first.generation,
+    await until(lambda: watched.ready_set.generation == first.generation,
                      what="the first snapshot")
     old_port = group.primary_port()
 
@@ -109,13 +100,13 @@ async def test_proxy_keeps_serving_and_follows_the_new_primary(
     assert not watched.emptied
     assert [r.url for r in watched.ready_set.replicas] == [replica(1).url, replica(2).url]
     second = await commit(store, 1, 2, 3)  # on the new primary
-    await eventually(lambda: watched.ready_set.generation == second.generation,
-                     within=30.0, what="the commit made on the new primary")
+    await until(lambda: watched.ready_set.generation == second.generation,
+                     timeout=30.0, what="the commit made on the new primary")
     assert len(watched.ready_set.replicas) == 3
-    await eventually(lambda: source.connected, what="the source reconnected")
+    await until(lambda: source.connected, what="the source reconnected")
     third = await commit(store, 1, 3)  # and it follows by subscription from then on
-    await eventually(lambda: watched.ready_set.generation == third.generation,
-                     within=30.0, what="a second commit on the new primary")
+    await until(lambda: watched.ready_set.generation == third.generation,
+                     timeout=30.0, what="a second commit on the new primary")
 
 
 async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
@@ -135,14 +126,14 @@ async def test_a_commit_missed_while_reconnecting_is_read_after_the_reconnect(
                              backoff_initial=5.0, backoff_max=5.0)
         await source.start(watched.ready_set)
         try:
-            await eventually(lambda: watched.ready_set.generation == first.generation)
+            await until(lambda: watched.ready_set.generation == first.generation)
             # The sentinels close the demoted primary's clients: the source's too.
             await asyncio.to_thread(group.failover)
-            await eventually(lambda: not source.connected, what="the source to disconnect")
+            await until(lambda: not source.connected, what="the source to disconnect")
             missed = await commit(store, 1, 2)
             assert not source.connected  # published while nobody of ours was subscribed
-            await eventually(lambda: watched.ready_set.generation == missed.generation,
-                             within=30.0, what="the missed commit")
+            await until(lambda: watched.ready_set.generation == missed.generation,
+                             timeout=30.0, what="the missed commit")
             assert len(watched.ready_set.replicas) == 2
         finally:
             await source.aclose()
@@ -189,17 +180,9 @@ async def test_a_real_proxy_answers_every_request_through_a_failover(
 
 
 async def commit_urls(store: Store, urls: list[str]) -> ReadySnapshot:
-    records = [ReplicaRecord(id=i, status=ReplicaStatus.READY, url=url)
-               for i, url in enumerate(urls, start=1)]
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30.0
-    while True:
-        try:
-            return await store.commit("svc", replica_updates=records)
-        except StoreUnavailable:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.05)
+    records = [replica(i, url=url) for i, url in enumerate(urls, start=1)]
+    return await retrying(lambda: store.commit("svc", replica_updates=records),
+                          on=(StoreUnavailable,))  # fmt: skip
 
 
 async def _generation(admin_url: str, at_least: int = 1) -> bool:

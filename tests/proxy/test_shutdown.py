@@ -28,10 +28,11 @@ from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
-from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory
-from tests.proxy import rawhttp
-from tests.proxy.harness import HOST, until
-from tests.proxy.rawhttp import get
+from tests.support import rawhttp
+from tests.support.poll import until
+from tests.support.ports import HOST
+from tests.support.processes import Proxy, ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
 
 GRACE = 1.0
 BOUND = 5.0  # seconds on top of the grace a SIGTERMed proxy may take to exit
@@ -40,14 +41,10 @@ ARGS = ("--host", HOST, "--shutdown-grace", str(GRACE), "--empty-wait", "60",
 
 
 async def exits_within(proxy: Proxy, seconds: float) -> float:
-    """Poll the process until it exits; fail (with its log) if it is alive after `seconds`.
+    """Wait until the process exits; fail (with its log) if it is alive after `seconds`.
     Returns how long it took."""
     started = time.monotonic()
-    deadline = started + seconds
-    while proxy.alive:
-        if time.monotonic() > deadline:
-            pytest.fail(f"proxy still running {seconds:.0f}s after SIGTERM:\n{proxy.output()}")
-        await asyncio.sleep(0.05)
+    await proxy.exited(seconds)
     return time.monotonic() - started
 
 

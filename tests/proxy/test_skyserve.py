@@ -1,9 +1,10 @@
-"""Drop-in mode against a stub Sky Serve controller (tests/skyserve_stub.py) with real
+"""Drop-in mode against a stub Sky Serve controller (tests/support/skyserve_stub.py) with real
 replica processes and a real sluice-proxy process."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import subprocess
@@ -16,9 +17,11 @@ import aiohttp
 import pytest
 import trustme
 
-from proxy.sources.skyserve_protocol import parse_sync_reply
-from tests.fixtures_replicas import free_port
-from tests.skyserve_stub import StubController
+from proxy.skyserve import parse_sync_reply
+from tests.support.poll import until_sync
+from tests.support.ports import free_port
+from tests.support.processes import https_get
+from tests.support.skyserve_stub import StubController, threaded_stub_code
 
 
 @pytest.fixture
@@ -146,18 +149,8 @@ def test_run_load_balancer_serves_with_tls(tmp_path, replica_factory) -> None:
     cert.private_key_pem.write_to_path(key_path)
     ctrl_port, lb_port = free_port(), free_port()
     # A tiny synchronous stub controller in the child, so this test needs no event loop.
-    script = textwrap.dedent(f"""
-        import json, threading, http.server
+    script = threaded_stub_code(ctrl_port, r1.url) + textwrap.dedent(f"""
         from types import SimpleNamespace
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers['Content-Length']))
-                body = json.dumps({{"replica_info": {{"{r1.url}": {{"gpu_type": "A100"}}}}}})
-                self.send_response(200); self.send_header('Content-Length', str(len(body)))
-                self.end_headers(); self.wfile.write(body.encode())
-            def log_message(self, *a): pass
-        srv = http.server.ThreadingHTTPServer(('127.0.0.1', {ctrl_port}), H)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
         from proxy.skyserve import run_load_balancer
         cred = SimpleNamespace(certfile={str(cert_path)!r}, keyfile={str(key_path)!r})
         run_load_balancer('http://127.0.0.1:{ctrl_port}', {lb_port}, 'round_robin', cred,
@@ -167,23 +160,16 @@ def test_run_load_balancer_serves_with_tls(tmp_path, replica_factory) -> None:
     try:
         ctx = ssl.create_default_context()
         ca.configure_trust(ctx)
-        import http.client
-        import time
 
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                conn = http.client.HTTPSConnection("127.0.0.1", lb_port, context=ctx, timeout=2)
-                conn.request("GET", "/fast")
-                resp = conn.getresponse()
-                body = resp.read()
-                conn.close()
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "run_load_balancer did not serve TLS"
-                time.sleep(0.1)
-        assert resp.status == 200 and len(body) == 100
+        def answer() -> tuple[int, bytes] | None:
+            with contextlib.suppress(OSError):
+                return https_get("127.0.0.1", lb_port, "/fast", ctx)
+            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+            return None
+
+        status, body = until_sync(answer, timeout=15, what="run_load_balancer to serve TLS",
+                                  interval=0.1)  # fmt: skip
+        assert status == 200 and len(body) == 100
     finally:
         proc.terminate()
         proc.wait(10)

@@ -2,12 +2,12 @@
 paths, two load balancers on one host, --workers 2 with one sync, Sky's instance-aware
 weights, logs in load_balancer.log, path-prefixed replica URLs, Sky's stream timeout as
 the retry deadline, and a bounded request-timestamp buffer. Against the stub controller
-(tests/skyserve_stub.py), real replica processes and real sluice-proxy processes."""
+(tests/support/skyserve_stub.py), real replica processes and real sluice-proxy processes."""
 
 from __future__ import annotations
 
 import asyncio
-import http.client
+import contextlib
 import os
 import ssl
 import subprocess
@@ -24,12 +24,13 @@ import pytest
 import trustme
 
 from proxy.policies import InstanceAwareLeastLoad
-from proxy.skyserve import dropin_config
-from proxy.sources.skyserve_protocol import RequestLog, encode_sync_body
-from tests.fixtures_replicas import HOST, Proxy, free_port
-from tests.proxy.harness import ManualSource, ScriptedUpstream, inprocess_proxy, until
-from tests.proxy.test_policies import Fake
-from tests.skyserve_stub import StubController
+from proxy.skyserve import RequestLog, dropin_config, encode_sync_body
+from tests.support.builders import Fake
+from tests.support.harness import ManualSource, ScriptedUpstream, inprocess_proxy
+from tests.support.poll import until, until_sync
+from tests.support.ports import HOST, free_port
+from tests.support.processes import Proxy, https_get
+from tests.support.skyserve_stub import StubController, threaded_stub_code
 
 
 @pytest.fixture
@@ -67,35 +68,15 @@ def _lb_child(script: str, home: Path, out: Path) -> subprocess.Popen[bytes]:
                                 stdout=f, stderr=subprocess.STDOUT)
 
 
-def _stub_controller_code(ctrl_port: int, replica_url: str) -> str:
-    return textwrap.dedent(f"""
-        import json, threading, http.server
-        class H(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers['Content-Length']))
-                body = json.dumps({{"replica_info": {{"{replica_url}": {{"gpu_type": "A100"}}}}}})
-                self.send_response(200); self.send_header('Content-Length', str(len(body)))
-                self.end_headers(); self.wfile.write(body.encode())
-            def log_message(self, *a): pass
-        srv = http.server.ThreadingHTTPServer(('127.0.0.1', {ctrl_port}), H)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-    """)
-
-
 def _wait_https(port: int, ctx: ssl.SSLContext, proc: subprocess.Popen[bytes],
                 log: Path) -> int:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            conn = http.client.HTTPSConnection(HOST, port, context=ctx, timeout=2)
-            conn.request("GET", "/fast")
-            status = conn.getresponse().status
-            conn.close()
-            return status
-        except OSError:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "run_load_balancer did not serve TLS"
-            time.sleep(0.1)
+    def answer() -> int | None:
+        with contextlib.suppress(OSError):
+            return https_get(HOST, port, "/fast", ctx)[0]
+        assert proc.poll() is None, log.read_text()
+        return None
+
+    return until_sync(answer, timeout=20, what="run_load_balancer to serve TLS", interval=0.1)
 
 
 def test_run_load_balancer_tls_paths_with_tilde_and_logs_to_stdout(
@@ -111,7 +92,7 @@ def test_run_load_balancer_tls_paths_with_tilde_and_logs_to_stdout(
     log_file = tmp_path / "load_balancer.log"
     # As Sky's service process does: stdout redirected to load_balancer.log, then
     # run_load_balancer(addr, port, policy, tls_credential, target_qps, stream_timeout).
-    script = _stub_controller_code(ctrl_port, r1.url) + textwrap.dedent(f"""
+    script = threaded_stub_code(ctrl_port, r1.url) + textwrap.dedent(f"""
         import sys
         from types import SimpleNamespace
         sys.stdout = sys.stderr = open({str(log_file)!r}, 'w')

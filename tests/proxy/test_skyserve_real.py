@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import REPO as ROOT
+
 HARNESS = ROOT / "bench" / "skyserve_real.py"
 
 

@@ -10,18 +10,22 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane.records import ReplicaRecord, ServiceRecord
+from controlplane.records import ReplicaRecord
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.states import ReplicaStatus, ServiceStatus
+from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
-from proxy.sources.redis import RedisSource
+from proxy.sources.redis import (
+    RedisSource,
+)
 from proxy.stats import Stats
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot, encode_snapshot
-from tests.fixtures_redis import eventually
+from tests.support import builders
+from tests.support.builders import registered, replica
+from tests.support.poll import until
 
 
 class RecordingReadySet(ReadySet):
@@ -83,22 +87,14 @@ async def start_proxy(redis_url: str, redis_prefix: str) -> AsyncIterator[StartP
         proxy.ready_set.close()
 
 
-def replica(i: int, status: ReplicaStatus = ReplicaStatus.READY) -> ReplicaRecord:
-    return ReplicaRecord(id=i, status=status, url=f"http://127.0.0.1:{21000 + i}")
-
-
 def snapshot(generation: int, *ids: int, service: str = "svc") -> ReadySnapshot:
-    return ReadySnapshot(
-        service=service,
-        generation=generation,
-        published_at=0.0,
-        active_versions=[1],
-        replicas=tuple(ReadyReplica(id=i, url=f"http://127.0.0.1:{29000 + i}") for i in ids),
-    )
+    """Replicas `ids` at 127.0.0.1 ports 29000 + id (unlike the committed ones)."""
+    infos = (ReadyReplica(id=i, url=f"http://127.0.0.1:{29000 + i}") for i in ids)
+    return builders.snapshot(generation, *infos, service=service, active_versions=[1])
 
 
 async def register(store: Store) -> None:
-    await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY), b"{}")
+    await registered(store, spec=b"{}")
 
 
 def test_the_keys_a_proxy_uses_are_the_documented_ones() -> None:
@@ -135,7 +131,7 @@ async def test_commits_arrive_by_publish(store: Store, start_proxy: StartProxy) 
             replica_updates=[replica(i) for i in ids],
             replica_deletes=[i for i in (1, 2, 3) if i not in ids],
         )
-        await eventually(lambda s=snap: proxy.generation == s.generation, what="publish")
+        await until(lambda s=snap: proxy.generation == s.generation, what="publish")
         assert proxy.ready_set.urls == [r.url for r in snap.replicas]
     assert sum(proxy.stats.propagation.counts) == 3
     assert proxy.stats.propagation.sum < 3.0
@@ -147,7 +143,7 @@ async def test_stale_and_duplicate_generations_are_ignored(
     await register(store)
     proxy = await start_proxy()
     current = await store.commit("svc", replica_updates=[replica(1), replica(2)])
-    await eventually(lambda: proxy.generation == current.generation)
+    await until(lambda: proxy.generation == current.generation)
     channel = store.keys.ready("svc")
     await redis_client.publish(channel, encode_snapshot(snapshot(current.generation - 1, 7)))
     await redis_client.publish(channel, encode_snapshot(snapshot(current.generation, 8)))
@@ -155,7 +151,7 @@ async def test_stale_and_duplicate_generations_are_ignored(
     # Messages on a channel arrive in order: once the next commit is in, the three
     # above were seen and dropped.
     after = await store.commit("svc", replica_updates=[replica(3)])
-    await eventually(lambda: proxy.generation == after.generation)
+    await until(lambda: proxy.generation == after.generation)
     assert [s.generation for s in proxy.ready_set.applied] == [
         1,
         current.generation,
@@ -190,7 +186,7 @@ async def test_invalid_payloads_are_rejected_and_the_set_is_kept(
         await redis_client.publish(channel, payload)
     await redis_client.publish(channel, b"garbage")  # the same payload again: counted once
     after = await store.commit("svc", replica_updates=[replica(3)])
-    await eventually(lambda: proxy.generation == after.generation)
+    await until(lambda: proxy.generation == after.generation)
     assert proxy.stats.snapshots_rejected == len(bad_payloads)
     assert [s.generation for s in proxy.ready_set.applied] == [current.generation, after.generation]
     assert proxy.ready_set.urls == [*good, replica(3).url]
@@ -203,8 +199,8 @@ async def test_a_corrupt_stored_snapshot_is_rejected_on_get(
     current = await store.commit("svc", replica_updates=[replica(1)])
     proxy = await start_proxy(resync_interval=0.02)
     await redis_client.set(store.keys.snapshot("svc"), b'{"generation": 99')
-    await eventually(lambda: proxy.stats.snapshots_rejected == 1, what="rejection")
-    await eventually(lambda: proxy.stats.snapshots_rejected == 1, within=0.2)  # re-GETs: once
+    await until(lambda: proxy.stats.snapshots_rejected == 1, what="rejection")
+    await until(lambda: proxy.stats.snapshots_rejected == 1, timeout=0.2)  # re-GETs: once
     assert proxy.generation == current.generation and len(proxy.ready_set.replicas) == 1
 
 
@@ -215,7 +211,7 @@ async def test_a_missed_publish_is_recovered_by_the_periodic_get(
     proxy = await start_proxy(resync_interval=0.05)
     # Written without a PUBLISH, as if the message had been lost.
     await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(50, 1, 2)))
-    await eventually(lambda: proxy.generation == 50, what="re-GET")
+    await until(lambda: proxy.generation == 50, what="re-GET")
     assert len(proxy.ready_set.replicas) == 2
 
 
@@ -225,16 +221,16 @@ async def test_generations_restarting_after_redis_lost_its_data_are_followed(
     await register(store)
     proxy = await start_proxy(resync_interval=0.05)
     await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(50, 1, 2)))
-    await eventually(lambda: proxy.generation == 50, what="generation 50")
+    await until(lambda: proxy.generation == 50, what="generation 50")
     # Redis comes back empty and the controller starts over: a lower generation is stored.
     await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(2, 3)))
-    await eventually(lambda: proxy.generation == 2, what="the restarted generations")
+    await until(lambda: proxy.generation == 2, what="the restarted generations")
     assert len(proxy.ready_set.replicas) == 1
     # A stale *published* generation is still ignored; commits go on from there.
     await redis_client.publish(store.keys.ready("svc"), encode_snapshot(snapshot(1, 1, 2)))
     await redis_client.set(store.keys.snapshot("svc"), encode_snapshot(snapshot(3, 4, 5)))
     await redis_client.publish(store.keys.ready("svc"), encode_snapshot(snapshot(3, 4, 5)))
-    await eventually(lambda: proxy.generation == 3, what="generation 3")
+    await until(lambda: proxy.generation == 3, what="generation 3")
     assert [a.generation for a in proxy.ready_set.applied][-3:] == [50, 2, 3]
 
 
@@ -250,7 +246,7 @@ async def test_the_set_survives_a_redis_sigkill_and_catches_up(
         assert proxy.generation == before.generation
 
         server.kill()
-        await eventually(lambda: not proxy.source.connected, what="disconnect")
+        await until(lambda: not proxy.source.connected, what="disconnect")
         assert proxy.generation == before.generation
         assert len(proxy.ready_set.replicas) == 2  # still serving the last snapshot
 
@@ -258,7 +254,7 @@ async def test_the_set_survives_a_redis_sigkill_and_catches_up(
         # Committed while the proxy is still disconnected (backing off): its PUBLISH
         # goes to nobody; the proxy's GET on reconnect must find it.
         after = await store.commit("svc", replica_updates=[replica(3)])
-        await eventually(lambda: proxy.generation == after.generation, what="catch-up")
+        await until(lambda: proxy.generation == after.generation, what="catch-up")
         assert proxy.source.connected
         assert proxy.ready_set.urls == [r.url for r in after.replicas]
         assert all(s.replicas for s in proxy.ready_set.applied[1:])  # never emptied
@@ -270,9 +266,9 @@ async def test_two_proxies_converge(store: Store, start_proxy: StartProxy) -> No
     last = None
     for i in range(60):
         status = ReplicaStatus.READY if i % 2 else ReplicaStatus.NOT_READY
-        last = await store.commit("svc", replica_updates=[replica(1), replica(2, status)])
+        last = await store.commit("svc", replica_updates=[replica(1), replica(2, status=status)])
     assert last is not None
-    await eventually(lambda: one.generation == two.generation == last.generation)
+    await until(lambda: one.generation == two.generation == last.generation)
     assert one.ready_set.snapshot == two.ready_set.snapshot == last
 
 
@@ -282,9 +278,9 @@ async def test_request_counts_are_flushed_to_the_rps_hash(
     proxy = await start_proxy(flush_interval=0.02)
     key = Keys(redis_prefix).rps("svc")
     proxy.stats.requests_total += 5
-    await poll_until(lambda: _hash_total(redis_client, key), 5)
+    await counted(lambda: _hash_total(redis_client, key), 5)
     proxy.stats.requests_total += 3
-    await poll_until(lambda: _hash_total(redis_client, key), 8)
+    await counted(lambda: _hash_total(redis_client, key), 8)
     fields = await redis_client.hkeys(key)
     assert all(abs(int(f) - time.time()) < 60 for f in fields)  # unix seconds
     assert await redis_client.ttl(key) > 0
@@ -299,18 +295,14 @@ async def test_each_proxy_heartbeats_the_generation_it_serves(
     snaps = [await store.commit("svc", replica_updates=[replica(1), replica(i)])
              for i in range(2, 5)]
     last = snaps[-1].generation
-    await eventually(lambda: one.generation == two.generation == last)
+    await until(lambda: one.generation == two.generation == last)
     beats: dict[str, Any] = {}
 
     async def fresh() -> bool:
         beats.update(await store.read_proxies("svc"))
         return len(beats) == 2 and all(b.generation == last for b in beats.values())
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5.0
-    while not await fresh():
-        assert loop.time() < deadline, beats
-        await asyncio.sleep(0.02)
+    await until(fresh, timeout=5.0, what="both proxies' heartbeats at the last generation")
     assert list(beats) == ["one", "two"]
     for beat, proxy in zip(beats.values(), (one, two), strict=False):
         assert beat.connected
@@ -332,12 +324,12 @@ async def test_a_failed_flush_keeps_the_count(
     proxy = await start_proxy(url=server.url, flush_interval=0.02)
     server.kill()
     proxy.stats.requests_total += 7
-    await eventually(lambda: proxy.source._flush_failing, what="a failed flush")
+    await until(lambda: proxy.source._flush_failing, what="a failed flush")
     server.restart()  # empty: no persistence
     client = aioredis.Redis.from_url(server.url)
     try:
         key = Keys(redis_prefix).rps("svc")
-        await poll_until(lambda: _hash_total(client, key), 7)
+        await counted(lambda: _hash_total(client, key), 7)
     finally:
         await client.aclose()
 
@@ -381,7 +373,7 @@ async def test_a_refused_connection_keeps_retrying_without_crashing(
     # (a plain server never answers a TLS hello: the connect timeout ends each attempt)
     proxy = await start_proxy(url=url, start_timeout=0.1, connect_timeout=0.1)
     assert not proxy.source.connected and proxy.generation == -1
-    await eventually(lambda: proxy.source._failures >= 2, what="retries")
+    await until(lambda: proxy.source._failures >= 2, what="retries")
 
 
 async def test_a_bad_url_is_a_config_error(start_proxy: StartProxy) -> None:
@@ -393,16 +385,15 @@ async def _hash_total(client: aioredis.Redis, key: str) -> int:
     return sum(int(v) for v in (await client.hgetall(key)).values())
 
 
-async def poll_until(
-    read: Callable[[], Awaitable[int]], expected: int, within: float = 5.0
-) -> None:
-    """Await `read()` until it returns `expected` (it must never overshoot)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while (value := await read()) != expected:
-        assert value < expected, f"counted {value} > {expected}"
-        assert loop.time() < deadline, f"still {value}, expected {expected}"
-        await asyncio.sleep(0.005)
+async def counted(read: Callable[[], Awaitable[int]], expected: int) -> None:
+    """Poll `read()` until it returns `expected`; it must never overshoot on the way."""
+
+    async def reached() -> bool:
+        value = await read()
+        assert value <= expected, f"counted {value} > {expected}"
+        return value == expected
+
+    await until(reached, timeout=5.0, what=f"the count to reach {expected}")
 
 
 async def test_inflight_counts_are_published_per_proxy(
@@ -414,7 +405,7 @@ async def test_inflight_counts_are_published_per_proxy(
     await store.commit("svc", replica_updates=[
         ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:9")])
     proxy = await start_proxy(flush_interval=0.02)
-    await eventually(lambda: proxy.ready_set.replicas, what="the replica")
+    await until(lambda: proxy.ready_set.replicas, what="the replica")
     proxy.ready_set.replicas[0].inflight = 7  # as if 7 requests were in flight
     key = Keys(redis_prefix).inflight("svc")
 
@@ -422,7 +413,7 @@ async def test_inflight_counts_are_published_per_proxy(
         values = await redis_client.hvals(key)
         return sum(json.loads(v)["total"] for v in values)
 
-    await poll_until(total, 7)
+    await counted(total, 7)
     entry = json.loads((await redis_client.hvals(key))[0])
     assert entry["replicas"] == {"http://127.0.0.1:9": 7}
     assert abs(entry["at"] - time.time()) < 60

@@ -17,7 +17,8 @@ from proxy.pool import ReplicaPool
 from proxy.readyset import ReadySet, Replica
 from proxy.upstream import UpstreamConnection
 from proxy.waiters import WaiterQueue
-from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import ReadyReplica
+from tests.support.builders import snapshot
 
 
 class Waiter:
@@ -68,11 +69,6 @@ def test_queue_is_fifo_with_removal_anywhere() -> None:
         q.popleft()
 
 
-def _snapshot(generation: int, *urls: str) -> ReadySnapshot:
-    return ReadySnapshot(service="s", generation=generation, published_at=0.0,
-                         replicas=tuple(ReadyReplica(id=i, url=u) for i, u in enumerate(urls)))
-
-
 def test_ready_set_wakes_held_requests_in_arrival_order_minus_the_removed() -> None:
     ready_set = ReadySet()
     woken: list[int] = []
@@ -81,11 +77,11 @@ def test_ready_set_wakes_held_requests_in_arrival_order_minus_the_removed() -> N
         ready_set.add_waiter(w)
     ready_set.remove_waiter(waiters[3])
     ready_set.remove_waiter(waiters[0])
-    ready_set.apply(_snapshot(1))  # still empty: nobody woken
+    ready_set.apply(snapshot(1))  # still empty: nobody woken
     assert woken == []
-    ready_set.apply(_snapshot(2, "http://127.0.0.1:9"))
+    ready_set.apply(snapshot(2, "http://127.0.0.1:9"))
     assert woken == [1, 2, 4, 5]
-    ready_set.apply(_snapshot(3, "http://127.0.0.1:10"))
+    ready_set.apply(snapshot(3, "http://127.0.0.1:10"))
     assert woken == [1, 2, 4, 5]  # woken once only
 
 

@@ -9,35 +9,24 @@ import asyncio
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from proxy.runner import RestartPolicy, worker_argv
-from tests.fixtures_replicas import Proxy, ProxyFactory, ReplicaFactory, free_port
-from tests.proxy import rawhttp
-from tests.proxy.harness import BASE_ARGS, HOST, metric, scrape, until
-from tests.proxy.rawhttp import get
+from tests.support import rawhttp
+from tests.support.harness import BASE_ARGS, metric, scrape
+from tests.support.poll import until
+from tests.support.ports import HOST, free_port
+from tests.support.processes import ProxyFactory, ReplicaFactory
+from tests.support.rawhttp import get
 
 BIN = Path(sys.executable).parent
 ENTRY_POINTS = {
     "sluice-proxy": [str(BIN / "sluice-proxy")],
     "sluice proxy": [str(BIN / "sluice"), "proxy"],
 }
-
-
-async def exited_within(proxy: Proxy, seconds: float) -> int:
-    """Poll until the process exits; fail with its log if it is alive after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while proxy.alive:
-        if time.monotonic() > deadline:
-            pytest.fail(f"still running after {seconds:.0f}s:\n{proxy.output()}")
-        await asyncio.sleep(0.05)
-    code = proxy.returncode
-    assert code is not None
-    return code
 
 
 def gone(pid: int) -> bool:
@@ -75,7 +64,7 @@ async def test_two_workers_serve_from_either_entry_point(
     assert sum(served) == 20, (served, proxy.output())
     assert "restarting" not in proxy.output()
     proxy.terminate()
-    assert await exited_within(proxy, 2 + 5) == 0
+    assert await proxy.exited(2 + 5) == 0
 
 
 async def test_a_worker_that_cannot_start_makes_the_supervisor_give_up(
@@ -91,7 +80,7 @@ async def test_a_worker_that_cannot_start_makes_the_supervisor_give_up(
         proxy = await proxy_factory.astart(*BASE_ARGS, "--port", str(port), replicas=[rep],
                                            workers=2, wait="none")
         # Five quick deaths with backoff 0.5+1+2+4 s: ~10 s plus five process starts.
-        code = await exited_within(proxy, 120)
+        code = await proxy.exited(120)
     out = proxy.output()
     assert code == 1, out
     assert "giving up" in out, out
@@ -113,7 +102,7 @@ async def test_sigterm_stops_the_supervisor_and_its_busy_workers_in_time(
         hung = [asyncio.create_task(hang()) for _ in range(4)]
         await until(lambda: rep.stats()["in_flight"] == 4, what="four hung requests")
         proxy.terminate()
-        assert await exited_within(proxy, 1 + 5) == 0
+        assert await proxy.exited(1 + 5) == 0
         await asyncio.gather(*hung, return_exceptions=True)
     assert len(workers) == 2
     assert all(gone(pid) for pid in workers)

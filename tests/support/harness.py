@@ -8,18 +8,17 @@
   bytes the test chose and records exactly what it received and how many
   connections it got (what aiohttp's server cannot be made to do); a route that
   returns `HOLD` leaves the reply to the test (`await upstream.held.get()`).
-- `until()`: a bounded poll; `get_json()`, `scrape()`, `replica_stats()`.
+- `get_json()`, `scrape()`, `metric()`, `replica_stats()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import httptools
@@ -28,32 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import ProxyApp
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
-from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
-from tests.fixtures_replicas import Replica
+from proxy.wire.snapshot import ReadyReplica
+from tests.support.builders import snapshot
+from tests.support.ports import HOST
+from tests.support.processes import Replica
 
-HOST = "127.0.0.1"
 BASE_ARGS = ("--host", HOST, "--shutdown-grace", "2")
-
-T = TypeVar("T")
-
-
-async def until(
-    check: Callable[[], T | Awaitable[T]], *, timeout: float = 10.0, what: str = "condition"
-) -> T:
-    """Poll `check` (sync or async) until it returns something truthy; fail after timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        last = result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-        await asyncio.sleep(0.02)
-
 
 async def get_json(url: str) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.get(url) as resp:
@@ -105,18 +84,15 @@ class ManualSource:
     def publish(self, *replicas: str | ReadyReplica, policy: str = "least_load") -> None:
         assert self.ready_set is not None, "start the proxy first"
         self.generation += 1
-        infos = tuple(
-            r if isinstance(r, ReadyReplica) else ReadyReplica(id=i + 1, url=r)
-            for i, r in enumerate(replicas)
-        )
         applied = self.ready_set.apply(
-            ReadySnapshot(
+            snapshot(
+                self.generation,
+                *replicas,
                 service="test",
-                generation=self.generation,
+                first_id=1,
                 published_at=time.time(),
                 policy=policy,
                 active_versions=[1],
-                replicas=infos,
             )
         )
         assert applied

@@ -10,13 +10,10 @@ restart Redis, or need a password); every one is stopped at teardown.
 ``sentinel_factory(**kwargs)``: a private SentinelGroup (primary, replica, three
 sentinels; `redis-server --sentinel`), stopped at teardown; skips the test when no
 sentinel-capable redis-server exists.
-``eventually(predicate, within=...)``: poll until true (tests wait this way, never by
-a fixed sleep).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import uuid
@@ -115,15 +112,3 @@ def sentinel_factory(tmp_path: Path) -> Iterator[Callable[..., SentinelGroup]]:
     for group in reversed(groups):
         with contextlib.suppress(Exception):
             group.stop()
-
-
-async def eventually(
-    predicate: Callable[[], object], *, within: float = 5.0, what: str = "condition"
-) -> None:
-    """Poll `predicate` until truthy (a short async sleep between polls); fail after `within` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not predicate():
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.005)

@@ -38,7 +38,7 @@ from controlplane.backends.skypilot_sdk import (
     ClusterInfo,
     SdkError,
 )
-from tests.fixtures_replicas import free_port
+from tests.support.ports import free_port
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Fixtures that run real replica and proxy processes on free 127.0.0.1 ports.
 
 ``replica_factory(n=1, *, ready_delay=0.0, ids=None, wait_ready=True,
-startup_timeout=15.0)`` starts ``n`` processes of ``tests.replica_app`` and
+startup_timeout=15.0)`` starts ``n`` processes of ``tests.support.replica_app`` and
 returns them (a list of ``Replica``) once each answers ``/health`` 200 (with
 ``wait_ready=False``: once each answers at all).
 ``await replica_factory.astart(...)`` does the same without blocking the loop.
@@ -27,7 +27,7 @@ import http.client
 import json
 import os
 import signal
-import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -37,39 +37,28 @@ from typing import IO, Any, Literal
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
-POLL = 0.02
+from tests.support.pids import descendants
+from tests.support.poll import until, until_sync
+from tests.support.ports import HOST, free_port
 
-_handed_out: set[int] = set()
-
-
-def free_port(count: int = 1) -> int:
-    """A port on 127.0.0.1 (the first of ``count`` consecutive ones) that nothing listens on
-    now and that this process has not handed out before."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port: int = s.getsockname()[1]
-        ports = range(port, port + count)
-        if _handed_out.isdisjoint(ports) and all(_bindable(p) for p in ports[1:]):
-            _handed_out.update(ports)
-            return port
-    raise RuntimeError("no free port found")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
+REPO = Path(__file__).resolve().parents[2]
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     """Blocking GET, for fixtures and sync checks: (status, body)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def https_get(
+    host: str, port: int, path: str, context: ssl.SSLContext, timeout: float = 2.0
+) -> tuple[int, bytes]:
+    """Blocking GET over TLS: (status, body)."""
+    conn = http.client.HTTPSConnection(host, port, context=context, timeout=timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -89,24 +78,6 @@ async def ahttp_status(host: str, port: int, path: str) -> int:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
-
-
-def _children(pid: int) -> list[int]:
-    """Direct and indirect children of pid (Linux /proc), so workers die with their master."""
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            continue
-        for kid in kids:
-            out += [kid, *_children(kid)]
-    return out
 
 
 class Process:
@@ -149,6 +120,18 @@ class Process:
     def wait(self, timeout: float | None = None) -> int:
         return self.proc.wait(timeout)
 
+    async def exited(self, within: float) -> int:
+        """Poll until the process exits (without blocking the loop) and return its code;
+        fail, with its output, if it still runs after `within` seconds."""
+        try:
+            await until(lambda: not self.alive, timeout=within, what=f"{self!r} to exit",
+                        interval=0.05)  # fmt: skip
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{self.output()}")
+        code = self.returncode
+        assert code is not None
+        return code
+
     def stop(self, timeout: float = 5.0) -> int:
         """SIGTERM, wait up to timeout, then SIGKILL it and its children."""
         self.send(signal.SIGTERM)
@@ -156,11 +139,11 @@ class Process:
 
     def _reap(self, deadline: float) -> int:
         if self.alive:
-            kids = _children(self.pid)
+            kids = descendants(self.pid)
             try:
                 self.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                for pid in [self.pid, *kids, *_children(self.pid)]:
+                for pid in [self.pid, *kids, *descendants(self.pid)]:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 self.proc.wait()
@@ -181,7 +164,8 @@ class Replica(Process):
         self.port = port
         self.id = replica_id
         self.url = f"http://{HOST}:{port}"
-        argv = [sys.executable, "-m", "tests.replica_app", "--port", str(port), "--id", replica_id]
+        argv = [sys.executable, "-m", "tests.support.replica_app", "--port", str(port),
+                "--id", replica_id]  # fmt: skip
         if ready_delay:
             argv += ["--ready-delay", str(ready_delay)]
         super().__init__(argv, log_dir / f"replica-{replica_id}-{port}.log", None)
@@ -233,7 +217,7 @@ class Proxy(Process):
         return self.output()
 
     def worker_pids(self) -> list[int]:
-        return _children(self.pid)
+        return descendants(self.pid)
 
     def admin_get(self, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return http_get(HOST, self.admin_port, path, timeout)
@@ -261,36 +245,48 @@ class _Factory:
             p._reap(deadline)
 
     @staticmethod
-    def _wait_sync(targets: Sequence[_Target], within: float, what: str) -> None:
-        deadline = time.monotonic() + within
-        for proc, port, path, need_200 in targets:
-            while True:
-                proc._check_running(what)
-                with contextlib.suppress(OSError, http.client.HTTPException):
-                    if http_get(HOST, port, path, timeout=1.0)[0] == 200 or not need_200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{what} {proc.pid} not up after {within}s:\n{proc.output()}"
-                    )
-                time.sleep(POLL)
+    def _answers(proc: Process, port: int, path: str, need_200: bool, what: str) -> bool:
+        proc._check_running(what)
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            return http_get(HOST, port, path, timeout=1.0)[0] == 200 or not need_200
+        return False
 
     @staticmethod
-    async def _wait_async(targets: Sequence[_Target], within: float, what: str) -> None:
+    async def _answers_async(
+        proc: Process, port: int, path: str, need_200: bool, what: str
+    ) -> bool:
+        proc._check_running(what)
+        with contextlib.suppress(OSError, ValueError, IndexError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                status = await ahttp_status(HOST, port, path)
+            return status == 200 or not need_200
+        return False
+
+    @classmethod
+    def _wait_sync(cls, targets: Sequence[_Target], within: float, what: str) -> None:
         deadline = time.monotonic() + within
         for proc, port, path, need_200 in targets:
-            while True:
-                proc._check_running(what)
-                with contextlib.suppress(OSError, ValueError, IndexError, TimeoutError):
-                    async with asyncio.timeout(1.0):
-                        status = await ahttp_status(HOST, port, path)
-                    if status == 200 or not need_200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{what} {proc.pid} not up after {within}s:\n{proc.output()}"
-                    )
-                await asyncio.sleep(POLL)
+            try:
+                until_sync(
+                    lambda: cls._answers(proc, port, path, need_200, what),  # noqa: B023
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    what=f"{what} {proc.pid} to answer {path} on port {port}",
+                )
+            except AssertionError as exc:
+                raise TimeoutError(f"{exc}:\n{proc.output()}") from None
+
+    @classmethod
+    async def _wait_async(cls, targets: Sequence[_Target], within: float, what: str) -> None:
+        deadline = time.monotonic() + within
+        for proc, port, path, need_200 in targets:
+            try:
+                await until(
+                    lambda: cls._answers_async(proc, port, path, need_200, what),  # noqa: B023
+                    timeout=max(0.0, deadline - time.monotonic()),
+                    what=f"{what} {proc.pid} to answer {path} on port {port}",
+                )
+            except AssertionError as exc:
+                raise TimeoutError(f"{exc}:\n{proc.output()}") from None
 
 
 class ReplicaFactory(_Factory):

@@ -1,6 +1,6 @@
 """A small aiohttp replica: the instrument the proxy tests measure with.
 
-Run as ``python -m tests.replica_app --port P [--id ID] [--ready-delay S]``.
+Run as ``python -m tests.support.replica_app --port P [--id ID] [--ready-delay S]``.
 Every response carries ``X-Replica-Id``. ``/stats`` reports what this replica
 saw: requests by path, ``total`` (all but ``/health``, which the fixtures and
 probes poll), handlers cancelled because the client went away, and requests in

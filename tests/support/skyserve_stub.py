@@ -1,12 +1,19 @@
 """A stub Sky Serve controller speaking the load-balancer sync protocol (a named fake:
-the real controller needs a cloud). It records every timestamp it receives and
+the real controller needs a cloud).
+
+`StubController`: in the test's loop; it records every timestamp it receives and
 answers from a script: a list of replica sets, the last one repeated; it can be
 told to fail or to delay its answers.
+
+`threaded_stub_code(port, replica_url)`: Python source that starts the same protocol's
+simplest answer (one replica, gpu_type A100) in a thread, for a child process that
+runs Sky Serve's own `run_load_balancer` and so has no loop of the test's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,3 +72,20 @@ class StubController:
     async def aclose(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+
+def threaded_stub_code(port: int, replica_url: str) -> str:
+    """Source for a child: a stub controller on 127.0.0.1:`port`, serving in a thread,
+    whose every sync answers one replica, `replica_url`, with gpu_type A100."""
+    return textwrap.dedent(f"""
+        import json, threading, http.server
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers['Content-Length']))
+                body = json.dumps({{"replica_info": {{"{replica_url}": {{"gpu_type": "A100"}}}}}})
+                self.send_response(200); self.send_header('Content-Length', str(len(body)))
+                self.end_headers(); self.wfile.write(body.encode())
+            def log_message(self, *a): pass
+        srv = http.server.ThreadingHTTPServer(('127.0.0.1', {port}), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    """)

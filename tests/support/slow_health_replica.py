@@ -2,7 +2,7 @@
 `--health-delay` seconds (default 2). Every other GET answers 200 at once with
 `X-Replica-Id` (the --id) and `X-Replica-Pid`, so a test sees who served it.
 
-    python -m tests.slow_health_replica --port P [--id ID] [--health-delay S]
+    python -m tests.support.slow_health_replica --port P [--id ID] [--health-delay S]
 """
 
 from __future__ import annotations
