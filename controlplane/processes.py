@@ -16,6 +16,9 @@ import socket
 import sys
 from collections.abc import Callable
 
+#: Seconds from SIGTERM to SIGKILL when stopping a local replica's process group.
+TERM_TIMEOUT = 10.0
+
 _PR_SET_PDEATHSIG = 1
 
 

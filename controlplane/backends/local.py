@@ -113,7 +113,7 @@ class LocalBackend:
         *,
         base_env: Mapping[str, str] | None = None,
         base_dir: Path | None = None,
-        term_timeout: float = 10.0,
+        term_timeout: float = processes.TERM_TIMEOUT,
     ) -> None:
         """`base_env`: the host environment whose allow-listed variables replicas get
         (default: this process's, read now); `base_dir`: what a relative `workdir` is

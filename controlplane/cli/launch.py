@@ -189,7 +189,7 @@ def controller(
         holder=holder,
         reconcile_interval=reconcile_interval,
         term_timeout=term_timeout,
-        terminate_on_close=terminate_on_exit,
+        terminate_on_exit=terminate_on_exit,
         backend=backend,
     )
     with errors(target.url):

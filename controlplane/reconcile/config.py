@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from controlplane import processes
 from controlplane.autoscaler import (
     DECISION_INTERVAL_SECONDS,
     NO_REPLICA_DECISION_INTERVAL_SECONDS,
@@ -38,7 +39,7 @@ class ControllerConfig:
     environment whose allow-listed variables local replicas get (None: the
     controller's own; see backends/local.py).
     `base_dir`: what a spec's relative `workdir` is relative to (None: cwd).
-    `terminate_on_close`: stop every replica when the controller closes
+    `terminate_on_exit`: stop every replica when the controller closes
     (`sluice run`); otherwise replicas outlive it and the next one adopts them.
     `backend`: the backend new replicas are launched with.
     `autoscaler_interval` / `autoscaler_zero_interval`: seconds between autoscaling
@@ -54,10 +55,10 @@ class ControllerConfig:
     lease_ttl: float = 10.0
     holder: str | None = None
     reconcile_interval: float = 1.0
-    term_timeout: float = 10.0
+    term_timeout: float = processes.TERM_TIMEOUT
     replica_env: Mapping[str, str] | None = None
     base_dir: Path | None = None
-    terminate_on_close: bool = False
+    terminate_on_exit: bool = False
     backend: str = "local"
     autoscaler_interval: float = DECISION_INTERVAL_SECONDS
     autoscaler_zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS

@@ -47,7 +47,7 @@ class Controller:
     Drive it with `step()` (tests, with an injected clock) or `run()`. The
     owner calls `start()` first and `aclose()` last; `aclose()` leaves the
     replicas running (for the next leader to adopt) unless
-    `config.terminate_on_close`.
+    `config.terminate_on_exit`.
     """
 
     def __init__(
@@ -107,12 +107,12 @@ class Controller:
     async def aclose(self, *, stepping_down: bool = False) -> None:
         """Stop launches and terminations in flight, close the prober and backends.
 
-        Replicas keep running unless `config.terminate_on_close`, in which case
+        Replicas keep running unless `config.terminate_on_exit`, in which case
         every replica is terminated (no drain) and its record deleted. A leader
         `stepping_down` (it lost the lease) never terminates: the fleet is the
         service's, and the next leader (possibly this one again) adopts it.
         """
-        if self.config.terminate_on_close and not stepping_down:
+        if self.config.terminate_on_exit and not stepping_down:
             with contextlib.suppress(StoreError):
                 await self.terminate_all()
         await self._tasks.aclose()

@@ -100,7 +100,7 @@ async def test_a_controller_commit_cut_after_exec_launches_once(
 ) -> None:
     config = ControllerConfig(
         redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
-        drain_seconds=0.0, reconcile_interval=30.0, term_timeout=3.0, terminate_on_close=True,
+        drain_seconds=0.0, reconcile_interval=30.0, term_timeout=3.0, terminate_on_exit=True,
     )  # fmt: skip
     async with Store.from_url(fault_proxy.url, prefix=redis_prefix) as flaky:
         controller = Controller(flaky, config)

@@ -57,7 +57,7 @@ async def start_controller(
             "drain_seconds": 0.5,
             "reconcile_interval": 30.0,  # what happens below is nudges and deadlines
             "term_timeout": 3.0,
-            "terminate_on_close": True,
+            "terminate_on_exit": True,
             "autoscaler_interval": 0.5,
             "autoscaler_zero_interval": 0.5,
             "qps_window_seconds": 2,

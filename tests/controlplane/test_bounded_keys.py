@@ -37,7 +37,7 @@ async def controller(
 ) -> AsyncIterator[Controller]:
     config = ControllerConfig(
         redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
-        reconcile_interval=30.0, terminate_on_close=True,
+        reconcile_interval=30.0, terminate_on_exit=True,
     )  # fmt: skip
     async with Controller(store, config) as controller:
         yield controller

@@ -59,7 +59,7 @@ def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfi
         lease_ttl=1.0,
         reconcile_interval=30.0,
         term_timeout=3.0,
-        terminate_on_close=True,  # teardown stops every replica the test launched
+        terminate_on_exit=True,  # teardown stops every replica the test launched
     )
 
 
@@ -500,7 +500,7 @@ async def test_external_replicas_are_probed_and_routed_never_killed(
 async def test_leader_failover_adopts_the_replicas(
     store: Store, config: ControllerConfig, tmp_path: Path
 ) -> None:
-    leader_config = dataclasses.replace(config, holder="leader", terminate_on_close=False)
+    leader_config = dataclasses.replace(config, holder="leader", terminate_on_exit=False)
     script = (
         "import asyncio, logging, sys\n"
         "from pathlib import Path\n"
@@ -548,7 +548,7 @@ async def test_leader_failover_adopts_the_replicas(
             leader.kill()
             leader.wait()
         if standby is not None:
-            standby.cancel()  # terminate_on_close: stops every replica, adopted ones too
+            standby.cancel()  # terminate_on_exit: stops every replica, adopted ones too
             with contextlib.suppress(asyncio.CancelledError):
                 await standby
     assert not any(running(pid) for pid in pids.values())

@@ -84,7 +84,7 @@ async def test_ten_count_only_updates_lose_nothing_and_replace_nothing(
         drain_seconds=1.0,
         reconcile_interval=5.0,
         term_timeout=3.0,
-        terminate_on_close=True,
+        terminate_on_exit=True,
     )
     controller = Controller(store, config)
     await controller.start()

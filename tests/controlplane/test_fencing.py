@@ -261,7 +261,7 @@ async def test_a_controller_step_without_the_lease_launches_nothing(
 ) -> None:  # fmt: skip
     config = ControllerConfig(
         redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
-        reconcile_interval=30.0, terminate_on_close=True,
+        reconcile_interval=30.0, terminate_on_exit=True,
     )  # fmt: skip
     fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
     await ops.up(store, "svc", make_spec(2))
@@ -274,7 +274,7 @@ async def test_a_controller_step_without_the_lease_launches_nothing(
 
 
 @pytest.mark.parametrize("lease", ["expired", "taken"])
-async def test_terminate_on_close_needs_the_lease_to_be_ours_or_free(
+async def test_terminate_on_exit_needs_the_lease_to_be_ours_or_free(
     lease: str,
     store: Store,
     redis_client: redis.asyncio.Redis,
@@ -284,7 +284,7 @@ async def test_terminate_on_close_needs_the_lease_to_be_ours_or_free(
 ) -> None:
     config = ControllerConfig(
         redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
-        reconcile_interval=30.0, term_timeout=3.0, terminate_on_close=True, lease_ttl=60.0,
+        reconcile_interval=30.0, term_timeout=3.0, terminate_on_exit=True, lease_ttl=60.0,
     )  # fmt: skip
     fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
     assert await store.acquire_lease("me:1", 60)

@@ -133,7 +133,7 @@ async def controller(
         lease_ttl=2.0,
         drain_seconds=0.0,
         reconcile_interval=0.5,
-        terminate_on_close=True,
+        terminate_on_exit=True,
     )
     started = asyncio.Event()
     task = asyncio.create_task(run_controller(config, started=started))

@@ -156,7 +156,7 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
                     os.kill(pid, signal.SIGKILL)
 
 
-async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
+async def test_terminate_on_exit_stops_the_replicas_when_redis_is_gone(
     redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path
 ) -> None:
     # What a controller under `sluice run` does when `sluice run` dies: its private
@@ -164,7 +164,7 @@ async def test_terminate_on_close_stops_the_replicas_when_redis_is_gone(
     server = redis_factory()
     config = ControllerConfig(
         redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
-        term_timeout=3.0, terminate_on_close=True,
+        term_timeout=3.0, terminate_on_exit=True,
     )  # fmt: skip
     async with Store.from_url(server.url) as store:
         controller = Controller(store, config)

@@ -446,7 +446,7 @@ async def test_launch_failure_shows_failed_provision_with_skypilots_reason(
 async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones(
     store: Store, start_controller: StartController, fake: FakeSkyPilot, config: ControllerConfig
 ) -> None:
-    first = await start_controller(terminate_on_close=False)
+    first = await start_controller(terminate_on_exit=False)
     spec = make_spec(3)
     await ops.up(store, "svc", spec)
     view = await ready(store, "svc", 3)
@@ -467,7 +467,7 @@ async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones
 
     await store.commit_with("svc", plan)
     launches_before = len(fake.launches)
-    await start_controller(terminate_on_close=True)
+    await start_controller(terminate_on_exit=True)
     view = await ready(store, "svc", 3)
     assert {r.id: r.url for r in view.replicas} == urls  # the same clusters, adopted
     await until(lambda: "t-svc-r9-v1" not in fake.names() and "t-gone-r1-v1"
