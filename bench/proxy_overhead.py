@@ -35,35 +35,14 @@ from typing import IO, Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+sys.path.insert(0, str(REPO))
+
+from tests.support.pids import descendants  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+
 HOST = "127.0.0.1"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALL_TARGETS = ("direct", "sluice-w1", "sluice-w2", "aiohttp", "nginx")
-
-
-def free_port(count: int = 1) -> int:
-    """The first of `count` consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = int(s.getsockname()[1])
-        try:
-            for p in range(port + 1, port + count):
-                with socket.socket() as s:
-                    s.bind((HOST, p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free ports")
-
-
-def descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-                for kid in map(int, f.read().split()):
-                    out += [kid, *descendants(kid)]
-    return out
 
 
 def cpu_seconds(pids: list[int]) -> float:
