@@ -26,7 +26,8 @@ if str(REPO) not in sys.path:  # run as `python bench/waiters.py` without instal
     sys.path.insert(0, str(REPO))
 
 from proxy.pool import ReplicaPool  # noqa: E402
-from proxy.readyset import ReadySet, Replica  # noqa: E402
+from proxy.readyset import ReadySet  # noqa: E402
+from proxy.replica import Replica  # noqa: E402
 from proxy.wire.snapshot import ReadyReplica  # noqa: E402
 
 

@@ -31,7 +31,8 @@ from proxy.admin import AdminServer
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.pool import ReplicaPool
-from proxy.readyset import ReadySet, Replica
+from proxy.readyset import ReadySet
+from proxy.replica import Replica
 from proxy.server import ClientConnection, ServerContext
 from proxy.sources import Source, make_source
 from proxy.stats import Stats

@@ -17,10 +17,6 @@ from proxy.prefix import PrefixPolicy
 from proxy.wire.policies import POLICY_NAMES
 from proxy.wire.snapshot import PrefixOptions
 
-# Policy is re-exported: the protocol every policy here implements (proxy/interfaces.py).
-__all__ = ["POLICIES", "InstanceAwareLeastLoad", "LeastLoad", "Policy", "PowerOfTwoChoices",
-           "RoundRobin", "make_policy"]
-
 
 class LeastLoad:
     """Fewest in-flight requests; ties broken by a rotating start index."""

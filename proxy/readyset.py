@@ -31,14 +31,11 @@ from collections.abc import Callable
 from proxy.errors import ConfigError
 from proxy.interfaces import ConnectionPool, Policy, ReplicaView, Routable
 from proxy.policies import make_policy
-from proxy.replica import Replica, parse_replica_url
+from proxy.replica import Replica
 from proxy.waiters import WaiterQueue
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
-
-# Replica and parse_replica_url are re-exported: `from proxy.readyset import Replica` keeps working.
-__all__ = ["ReadySet", "Replica", "parse_replica_url"]
 
 log = logging.getLogger("sluice.proxy")
 

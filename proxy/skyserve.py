@@ -6,9 +6,8 @@ Sky Serve at it without editing SkyPilot's files, and docs/skyserve.md patches i
 in with `from proxy import skyserve as load_balancer`: this import path is a
 public interface and stays.
 
-The source that syncs with Sky Serve's controller lives in proxy/sources/skyserve.py
-(re-exported here, with the sync protocol's helpers, for code that imports them
-from this module).
+The source that syncs with Sky Serve's controller lives in proxy/sources/skyserve.py,
+its sync protocol in proxy/sources/skyserve_protocol.py.
 """
 
 from __future__ import annotations
@@ -19,20 +18,6 @@ from typing import Protocol
 
 from proxy.config import ProxyConfig
 from proxy.runner import run_proxy
-from proxy.sources.skyserve import RelayFollower, SkyServeSource, make_skyserve_source
-from proxy.sources.skyserve_protocol import RequestLog, encode_sync_body, parse_sync_reply
-
-__all__ = [
-    "RelayFollower",
-    "RequestLog",
-    "SkyServeSource",
-    "TlsCredential",
-    "dropin_config",
-    "encode_sync_body",
-    "make_skyserve_source",
-    "parse_sync_reply",
-    "run_load_balancer",
-]
 
 
 class TlsCredential(Protocol):

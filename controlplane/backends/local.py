@@ -48,8 +48,8 @@ from pathlib import Path
 
 from controlplane import processes
 from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
-from controlplane.backends.fixedport import PortConflict, bindable, check_fixed_port, fixed_port
-from controlplane.backends.localproc import POLL, describe_status, handle_pid, recorded_handles
+from controlplane.backends.fixedport import bindable, fixed_port
+from controlplane.backends.localproc import POLL, describe_status, handle_pid
 from controlplane.records import Handle, InvalidServiceName, check_service_name
 from controlplane.spec import ServiceSpec
 from controlplane.statedir import (
@@ -60,18 +60,6 @@ from controlplane.statedir import (
     private_dir,
     write_private,
 )
-
-# Re-exported: the fixed-port rule and the handle files belong to this backend.
-__all__ = [
-    "HOST_ENV_NAMES",
-    "HOST_ENV_PREFIXES",
-    "LocalBackend",
-    "PortConflict",
-    "check_fixed_port",
-    "fixed_port",
-    "recorded_handles",
-    "replica_host_env",
-]
 
 log = logging.getLogger("sluice.backend.local")
 

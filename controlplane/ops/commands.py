@@ -15,7 +15,7 @@ import fnmatch
 import msgspec
 
 from controlplane import lifecycle
-from controlplane.backends.local import check_fixed_port
+from controlplane.backends.fixedport import check_fixed_port
 from controlplane.ops.errors import ReplicaBusy, ReplicaExists, ReplicaNotFound, ServiceShuttingDown
 from controlplane.records import ReplicaRecord, ServiceRecord, check_service_name
 from controlplane.spec import ServiceSpec

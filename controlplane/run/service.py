@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from controlplane import ops, processes
-from controlplane.backends.local import check_fixed_port, fixed_port
+from controlplane.backends.fixedport import check_fixed_port, fixed_port
 from controlplane.backends.localproc import recorded_handles, stop_groups
 from controlplane.display import LiveView
 from controlplane.records import Handle, ReplicaRecord, check_service_name

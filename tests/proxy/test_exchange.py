@@ -25,7 +25,8 @@ from proxy.interfaces import (
     Upload,
     UpstreamLink,
 )
-from proxy.readyset import ReadySet, Replica
+from proxy.readyset import ReadySet
+from proxy.replica import Replica
 from proxy.stats import Stats
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
 

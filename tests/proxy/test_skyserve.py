@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import trustme
 
-from proxy.skyserve import parse_sync_reply
+from proxy.sources.skyserve_protocol import parse_sync_reply
 from tests.support.poll import until_sync
 from tests.support.ports import free_port
 from tests.support.processes import https_get

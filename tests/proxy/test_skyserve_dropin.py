@@ -24,7 +24,8 @@ import pytest
 import trustme
 
 from proxy.policies import InstanceAwareLeastLoad
-from proxy.skyserve import RequestLog, dropin_config, encode_sync_body
+from proxy.skyserve import dropin_config
+from proxy.sources.skyserve_protocol import RequestLog, encode_sync_body
 from tests.support.builders import Fake
 from tests.support.harness import ManualSource, ScriptedUpstream, inprocess_proxy
 from tests.support.poll import until, until_sync

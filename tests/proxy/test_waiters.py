@@ -14,7 +14,8 @@ import random
 import pytest
 
 from proxy.pool import ReplicaPool
-from proxy.readyset import ReadySet, Replica
+from proxy.readyset import ReadySet
+from proxy.replica import Replica
 from proxy.upstream import UpstreamConnection
 from proxy.waiters import WaiterQueue
 from proxy.wire.snapshot import ReadyReplica
