@@ -55,6 +55,7 @@ class ProxyApp:
             prefix_options=config.prefix_options,
             pool_factory=self._make_pool,
             pool_grace=config.pool_grace,
+            resume_streams=config.resume_streams,
         )
         self.source = source if source is not None else make_source(config, self.stats)
         self.ctx: ServerContext | None = None

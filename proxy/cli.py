@@ -188,6 +188,13 @@ class _ProxyCommand(click.Command):
               default=DEFAULTS.stream_idle_timeout,
               show_default=True, help="Max seconds between chunks: of a response (the stream is "
               "cut) and of a request body (408).")
+@click.option("--resume-streams/--no-resume-streams", default=None,
+              help="Resume a streamed /v1/chat/completions or /v1/completions cut by its "
+                   "replica on another one (docs/resume.md). [default: as the service's "
+                   "spec says (service.sluice.resume_streams), else off]")
+@click.option("--resume-attempts", type=click.IntRange(1), default=DEFAULTS.resume_attempts,
+              show_default=True, help="Continuations per stream before it is cut as without "
+              "--resume-streams.")
 @click.option("--header-timeout", type=click.FloatRange(0, min_open=True),
               default=DEFAULTS.header_timeout,
               show_default=True, help="Seconds a client has to send a whole request head "
@@ -211,7 +218,8 @@ def proxy_command(
     prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, pool_size: int, pool_grace: float, retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
-    stream_idle_timeout: float, header_timeout: float, max_body: int, shutdown_grace: float,
+    stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
+    header_timeout: float, max_body: int, shutdown_grace: float,
     tls_certfile: str | None, tls_keyfile: str | None, log_level: str,
 ) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
@@ -241,6 +249,7 @@ def proxy_command(
         pool_size=pool_size, pool_grace=pool_grace, retry_deadline=retry_deadline,
         max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,
         hold_heartbeat=hold_heartbeat, stream_idle_timeout=stream_idle_timeout,
+        resume_streams=resume_streams, resume_attempts=resume_attempts,
         header_timeout=header_timeout, max_body=max_body, shutdown_grace=shutdown_grace,
         tls_certfile=tls_certfile, tls_keyfile=tls_keyfile, log_level=log_level.upper(),
     )

@@ -40,6 +40,10 @@ class ProxyConfig:
     empty_wait: float = 10.0
     hold_heartbeat: float = 0.0  # > 0: SSE comments every N s to held stream:true requests
     stream_idle_timeout: float = 120.0
+    # Resuming cut streams (proxy/resume.py): None follows the service (snapshot), a bool
+    # overrides it; at most `resume_attempts` continuations per stream.
+    resume_streams: bool | None = None
+    resume_attempts: int = 2
     max_body: int = 100 * 1024 * 1024
     retry_body_limit: int = 1024 * 1024  # bodies up to this are kept for retries
     header_timeout: float = 30.0  # whole request head must arrive within this

@@ -59,6 +59,14 @@ class ProxyCollector:
         yield CounterMetricFamily("sluice_client_disconnects",
                                   "Requests whose client went away (499)",
                                   value=stats.responses.get(499, 0))
+        resumes = CounterMetricFamily(
+            "sluice_stream_resumes", "Streams cut by a replica and resumed on another "
+            "(docs/resume.md), by the replica that cut them, the cause (reset, eof, "
+            "idle_timeout, bad_response) and outcome (attempted, succeeded, failed)",
+            labels=["replica", "cause", "outcome", "worker"])
+        for (replica, cause, outcome), count in sorted(stats.resumes.items()):
+            resumes.add_metric([replica, cause, outcome, self._worker], count)
+        yield resumes
         yield _histogram("sluice_upstream_latency_seconds",
                          "Request start to end of response", stats.upstream_latency)
         yield _histogram("sluice_upstream_ttfb_seconds",

@@ -51,6 +51,7 @@ class ReadySet:
         prefix_options: PrefixOptions | None = None,
         pool_factory: Callable[[Replica], ConnectionPool] | None = None,
         pool_grace: float = 30.0,
+        resume_streams: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy_override = policy_override
@@ -59,6 +60,9 @@ class ReadySet:
         self._pool_factory = pool_factory
         self._pool_grace = pool_grace
         self._clock = clock
+        self._resume_override = resume_streams
+        # Resume cut streams (proxy/resume.py): the flag, else the service's snapshot.
+        self.resume_streams = bool(resume_streams)
         self.snapshot: ReadySnapshot | None = None
         self.replicas: tuple[Replica, ...] = ()
         self.known: dict[str, Replica] = {}
@@ -130,6 +134,8 @@ class ReadySet:
         self.policy = policy
         self.replicas = tuple(replicas)
         self.snapshot = snapshot
+        override = self._resume_override
+        self.resume_streams = snapshot.resume_streams if override is None else override
         self.applied_at = time.time()
         if replicas and self._waiters:
             for wake in self._waiters.take_all():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from functools import partial
 
 import httptools
 
@@ -32,6 +33,7 @@ from proxy.config import ProxyConfig
 from proxy.exchange import DONE, Exchange
 from proxy.interfaces import PAUSE_PIPELINE, Upload
 from proxy.readyset import ReadySet
+from proxy.resume import ResumableExchange, resumable_kind
 from proxy.stats import Stats
 
 log = logging.getLogger("sluice.proxy")
@@ -251,7 +253,8 @@ class ClientConnection(asyncio.Protocol):
         if chunked:
             keep.append(b"Transfer-Encoding: %s\r\n" % chunked)
         keep.append(http.CRLF)
-        ex = Exchange(
+        kind = resumable_kind(method, url) if self.ctx.ready_set.resume_streams else None
+        ex = (Exchange if kind is None else partial(ResumableExchange, kind=kind))(
             self.ctx,
             self,
             method,

@@ -34,6 +34,8 @@ class Stats:
         self.retries = 0
         self.upstream_latency = Histogram()  # request start -> response complete
         self.ttfb = Histogram()  # request start -> response headers
+        # Stream resumes (proxy/resume.py): (replica cut, cause, outcome) -> count.
+        self.resumes: dict[tuple[str, str, str], int] = {}
         # Ready-set source figures, set by the source (Redis subscriber, Sky Serve sync).
         self.snapshots_rejected = 0
         self.propagation = Histogram()  # published_at -> applied (seconds)

@@ -70,6 +70,9 @@ class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):
     replicas: tuple[ReadyReplica, ...] = ()
     # Options of the `prefix` policy; None: its defaults. Added after the first release.
     prefix_options: PrefixOptions | None = None
+    # Resume streamed completions cut by a replica on another one (docs/resume.md; spec
+    # service.sluice.resume_streams). Added after the first release.
+    resume_streams: bool = False
 
     def __post_init__(self) -> None:
         if self.generation < 0:
