@@ -169,3 +169,53 @@ async def test_with_no_other_replica_the_stream_is_cut_and_counted(
                   outcome="failed") == 1
     assert metric(samples, "sluice_stream_resumes_total", outcome="succeeded") == 0
     assert "not resumed" in proxy.output()
+
+
+# -- real llama.cpp servers ----------------------------------------------------------
+
+
+async def test_a_chat_stream_survives_its_llama_server(llama_factory: Any,
+                                                       proxy_factory: ProxyFactory) -> None:
+    """Two real llama-servers (tests/support/llama.py) behind a resuming proxy; the one
+    serving a greedy stream is SIGKILLed half-way (after a third of its tokens). The
+    client's text is what an uninterrupted greedy run gives: the llama-server build
+    honours continue_final_message (docs/resume.md), so nothing is repeated at the seam."""
+    from tests.support.llama import MODEL_ALIAS
+
+    servers = await llama_factory.astart(2, slots=1, ctx=2048)
+    proxy = await proxy_factory.astart("--resume-streams", replicas=[s.url for s in servers])
+    request: dict[str, Any] = {
+        "model": MODEL_ALIAS, "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 1500, "temperature": 0, "cache_prompt": False}
+    async with httpx2.AsyncClient(timeout=60) as http:
+        direct = await http.post(f"{servers[1].url}/v1/chat/completions", json=request)
+    reference = direct.json()["choices"][0]["message"]["content"]
+    client = openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="none", max_retries=0)
+    pieces: list[str] = []
+    ids = set()
+    killed = None
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL_ALIAS, messages=request["messages"], stream=True,
+            max_tokens=request["max_tokens"], temperature=0,
+            extra_body={"cache_prompt": False})
+        async for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if killed is None and len(pieces) == request["max_tokens"] // 3:
+                    busy = [s for s in servers if await asyncio.to_thread(s.busy_slots)]
+                    assert len(busy) == 1, "the stream ended before the kill"
+                    killed = busy[0]
+                    killed.send(signal.SIGKILL)
+    finally:
+        await client.close()
+    assert killed is not None
+    text = "".join(pieces)
+    seam = next((i for i, (a, b) in enumerate(zip(text, reference, strict=False))
+                 if a != b), None)
+    assert text == reference, f"diverges at {seam}: {text[:seam]!r} | {text[seam:][:40]!r}"
+    assert len(ids) == 1
+    samples = await scrape(proxy.admin_url)
+    assert metric(samples, "sluice_stream_resumes_total", replica=killed.url,
+                  outcome="succeeded") == 1
