@@ -72,6 +72,7 @@ class ServiceRecord(msgspec.Struct, frozen=True, kw_only=True):
     update_mode: UpdateMode = UpdateMode.ROLLING
     policy: str = DEFAULT_POLICY  # the load-balancing policy proxies use
     prefix_options: PrefixOptions | None = None  # the `prefix` policy's (spec service.sluice)
+    resume_streams: bool = False  # spec service.sluice.resume_streams, for the proxies
     endpoint: str | None = None  # where clients reach the service (the proxy's URL)
     created_at: float = 0.0
     # version -> min_replicas of that version's spec; blue_green switches to a version only
@@ -219,6 +220,7 @@ def compute_snapshot(
         status=record.status.value,
         policy=record.policy,
         prefix_options=record.prefix_options,
+        resume_streams=record.resume_streams,
         active_versions=list(active),
         replicas=tuple(
             ReadyReplica(

@@ -49,6 +49,7 @@ async def up(
         update_mode=UpdateMode.ROLLING,
         policy=spec.service.load_balancing_policy,
         prefix_options=spec.prefix_options,
+        resume_streams=spec.resume_streams,
         endpoint=endpoint,
         min_replicas={1: spec.min_replicas},
     )
@@ -86,6 +87,7 @@ async def update(
             update_mode=mode if mode is not None else current.update_mode,
             policy=spec.service.load_balancing_policy,
             prefix_options=spec.prefix_options,
+            resume_streams=spec.resume_streams,
             min_replicas={**current.min_replicas, new_version: spec.min_replicas},
         )
         return Mutation(service_record=record, specs={new_version: payload}), new_version

@@ -112,6 +112,12 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return PrefixOptions(**msgspec.structs.asdict(given or PrefixRouting()))
 
     @property
+    def resume_streams(self) -> bool:
+        """`service.sluice.resume_streams`: proxies resume streams cut by a replica."""
+        sluice = self.service.sluice
+        return sluice is not None and sluice.resume_streams
+
+    @property
     def min_replicas(self) -> int:
         return self.service.scaling.min_replicas
 

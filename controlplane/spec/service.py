@@ -154,6 +154,8 @@ class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """`service.sluice`: options only sluice reads (a Sky Serve YAML has none)."""
 
     prefix: PrefixRouting | None = None
+    # Resume a stream cut by its replica on another one (proxy/resume.py, docs/resume.md).
+    resume_streams: bool = False
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

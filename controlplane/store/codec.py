@@ -116,6 +116,7 @@ class _Routing(msgspec.Struct):
     active_versions: list[int] = []
     replicas: msgspec.Raw = msgspec.Raw(b"[]")
     prefix_options: dict[str, Any] | None = None
+    resume_streams: bool = False
 
 
 _ROUTING_DECODER = msgspec.json.Decoder(_Routing)
@@ -138,12 +139,14 @@ def same_ready_set(
     except (msgspec.ValidationError, msgspec.DecodeError):
         return None  # corrupt: this commit replaces it
     new = _ROUTING_DECODER.decode(payload)
-    if (old.service, old.status, old.policy, old.active_versions, old.prefix_options) != (
+    if (old.service, old.status, old.policy, old.active_versions, old.prefix_options,
+        old.resume_streams) != (
         new.service,
         new.status,
         new.policy,
         new.active_versions,
         new.prefix_options,
+        new.resume_streams,
     ) or bytes(old.replicas) != bytes(new.replicas):
         return None
     return msgspec.structs.replace(

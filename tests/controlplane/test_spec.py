@@ -1058,3 +1058,13 @@ def test_changing_prefix_options_is_a_count_only_change() -> None:
     new = parse_spec(service_with(replicas=3, load_balancing_policy="prefix",
                                   sluice={"prefix": {"epsilon": 1.0}}))
     assert is_count_only_change(old, new)
+
+
+def test_resume_streams_is_opt_in_and_a_count_only_change() -> None:
+    plain = parse_spec(service_with(replicas=2))
+    assert plain.resume_streams is False
+    on = parse_spec(service_with(replicas=2, sluice={"resume_streams": True}))
+    assert on.resume_streams is True
+    assert is_count_only_change(plain, on)  # the proxies' business: no replica replaced
+    err = error_of(service_with(replicas=1, sluice={"resume_streams": "yes"}))
+    assert err.path == "$.service.sluice.resume_streams"

@@ -537,3 +537,15 @@ async def test_commit_with_returns_the_result_of_the_plan_run_it_wrote(
     assert runs == [[], [7]]
     assert committed.result == 8
     assert sorted(r.id for r in committed.snapshot.replicas) == [7, 8]
+
+
+async def test_resume_streams_reaches_the_snapshot_and_a_change_publishes(store: Store) -> None:
+    record = await registered(store, resume_streams=True)
+    assert decode_service_record(encode_service_record(record)) == record
+    first = await store.commit("svc", replica_updates=[replica(1)])
+    assert first.resume_streams is True
+    current = await store.service("svc")
+    assert current is not None
+    changed = await store.commit("svc", service_record=replace(current, resume_streams=False))
+    assert changed.generation == first.generation + 1 and changed.resume_streams is False
+    assert not routes_alike(changed, first)
