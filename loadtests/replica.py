@@ -6,7 +6,10 @@
   `"stream": true` the reply is Server-Sent Events (`data: {chunk}` per token,
   then `data: [DONE]`) in HTTP/1.1 chunks, one token every `--token-delay`
   seconds; without it, one `chat.completion` JSON after the same total time.
-  `max_tokens` (default `--tokens`) sets the length.
+  `max_tokens` (default `--tokens`) sets the length. Like vLLM, with
+  `continue_final_message: true` a final assistant message is continued: the
+  answer goes on after its words (the stock text is positional), and only the new
+  tokens are sent (what a proxy resuming a cut stream asks for, docs/resume.md).
 - `GET /health` (the readiness path): 503 while the "model loads" for the first
   `--load-seconds`, then 200; every answer takes `--health-delay` seconds, like
   a server busy generating (so a probe is slow and a fresh replica needs a
@@ -116,10 +119,12 @@ class Handler(BaseHTTPRequestHandler):
             request = json.loads(body or b"{}")
             count = int(request.get("max_tokens") or self.server.args.tokens)
             stream = bool(request.get("stream"))
+            start = _continued_words(request)
         except (ValueError, TypeError, AttributeError) as exc:
             self._json(400, {"error": {"message": f"bad request: {exc}"}})
             return
-        tokens = [STOCK[i % len(STOCK)] + " " for i in range(max(1, min(count, 4096)))]
+        tokens = [STOCK[i % len(STOCK)] + " "
+                  for i in range(start, start + max(1, min(count, 4096)))]
         completion_id = f"chatcmpl-{uuid.uuid4().hex[:12]}"
         if stream:
             self._stream(completion_id, tokens)
@@ -200,6 +205,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per request would flood the replica log
+
+
+def _continued_words(request: dict[str, Any]) -> int:
+    """Words already in the final assistant message a request asks to continue (else 0)."""
+    messages = request.get("messages") or []
+    if request.get("continue_final_message") and messages and \
+            messages[-1].get("role") == "assistant":
+        return len(str(messages[-1].get("content") or "").split())
+    return 0
 
 
 def _env(name: str, default: str) -> str:

@@ -96,6 +96,7 @@ class Options:
     health_delay: float = 1.0
     token_delay: float = 0.02
     drain_seconds: float = 3.0
+    resume_streams: bool = False  # the service's service.sluice.resume_streams
     lease_ttl: float = 3.0
     settle_timeout: float = 60.0
     keep: bool = False
@@ -202,6 +203,7 @@ def service_spec(options: Options, replicas: int, *, revision: int = 1) -> Servi
                     "endpoint_probe_interval_seconds": 1,
                 },
                 "replicas": replicas,
+                **({"sluice": {"resume_streams": True}} if options.resume_streams else {}),
             },
             "envs": {
                 "REPLICA_VERSION": str(revision),
@@ -463,6 +465,10 @@ class Stack:
             for line in text.splitlines():
                 if line.startswith("sluice_upstream_retries_total"):
                     out["retries"] = int(float(line.split()[-1]))
+                elif line.startswith("sluice_stream_resumes_total{"):
+                    outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                    resumes = out.setdefault("resumes", {})
+                    resumes[outcome] = resumes.get(outcome, 0) + int(float(line.split()[-1]))
                 elif line.startswith("sluice_responses_total{"):
                     code = line.split('code="', 1)[1].split('"', 1)[0]
                     out["responses"][code] = int(float(line.split()[-1]))
@@ -553,7 +559,9 @@ async def kill_replica(stack: Stack) -> Expected:
     await stack.kill_replica(1)
     await stack.settled(2, without=1)
     await asyncio.sleep(SERVE_PAUSE)
-    return Expected(launched=1, terminated=1, keep=(2,), cut_allowed=True)
+    # Streams cut by the SIGKILL are allowed, unless they are to be resumed (docs/resume.md).
+    return Expected(launched=1, terminated=1, keep=(2,),
+                    cut_allowed=not stack.options.resume_streams)
 
 
 async def redis_restart(stack: Stack) -> Expected:
@@ -818,6 +826,8 @@ def table(result: Result) -> str:
         ("replicas terminated",
          f"{row['replicas_terminated']} (expected {row['expected_terminated']})"),
         ("proxy retries", row["proxy"].get("retries", "-")),
+        ("stream resumes", ", ".join(f"{k} {v}" for k, v in
+                                     row["proxy"].get("resumes", {}).items()) or "0"),
         ("lost", row["lost"]),
         ("result", "PASS" if result.passed else "FAIL: " + "; ".join(result.reasons)),
     ]  # fmt: skip
@@ -912,6 +922,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
     )
     p.add_argument("--state-dir", type=Path, help="where logs go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the state dir even on success")
+    p.add_argument("--resume-streams", action="store_true",
+                   help="the service resumes cut streams (service.sluice.resume_streams)")
     a = p.parse_args(argv)  # fmt: skip
     if a.rate <= 0 or a.duration <= 0 or a.updates < 0:
         p.error("--rate and --duration must be > 0, --updates >= 0")
@@ -920,6 +932,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         slow=a.slow_threshold, mix=a.mix, max_tokens=a.max_tokens,
         load_seconds=a.load_seconds, health_delay=a.health_delay,
         drain_seconds=a.drain_seconds, keep=a.keep, state_root=a.state_dir,
+        resume_streams=a.resume_streams,
     )  # fmt: skip
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     return names, options, a.json
