@@ -5,7 +5,7 @@ Owns, layered so imports go one way (bottom first):
     wire/                    the contract with the control plane (imports nothing else)
     compat, errors, http, interfaces, waiters, stats, config     leaves
     replica, policies, prefix, readyset                         the ready set and routing
-    upstream, pool, exchange, server                            the request path
+    upstream, pool, exchange, continuation, resume, server      the request path
     sources/, redisurl, tasks                                   where ready sets come from
     admin, metrics, app, runner, cli, skyserve                  the process around it
 
