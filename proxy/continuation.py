@@ -159,7 +159,9 @@ class Continue:
 def plan(kind: Kind, original: bytes, relayed: bytes, resumes: int) -> Finish | Continue:
     """How to go on after the stream `relayed` so far, for the request body `original`."""
     progress = read_progress(kind, relayed)
-    if progress.done or progress.finish_reason is not None:
+    if progress.done:
+        return Finish(b"")
+    if progress.finish_reason is not None:
         return Finish(DONE_EVENT)
     try:
         request = msgspec.json.decode(original)

@@ -213,6 +213,13 @@ class ResumableExchange(Exchange):
         cut_url = replica.url if replica is not None else "unknown"
         self.detach_upstream(abort=True)
         self.release_replica()
+        if self._saw_done():
+            # Everything came but the body's end: end it (nothing to resume).
+            self.out.append(http.LAST_CHUNK)
+            self.flush_client()
+            self.ctx.stats.count_response(self.status)
+            self.finish(self.close_after)
+            return
         self.partial = b""  # never sent: its content is generated again
         self.flush_client()
         attempt = self.attempt = (cut_url, cause)
@@ -233,7 +240,8 @@ class ResumableExchange(Exchange):
         if not isinstance(step, Continue):
             # The answer was complete; only its ending was lost.
             self._count(attempt, "succeeded")
-            self.out.append(http.chunk(step.tail))
+            if step.tail:
+                self.out.append(http.chunk(step.tail))
             self.out.append(http.LAST_CHUNK)
             self.flush_client()
             self.ctx.stats.count_response(self.status)

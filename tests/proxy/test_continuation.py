@@ -144,7 +144,7 @@ def test_nothing_streamed_yet_resends_the_request_unchanged() -> None:
 
 def test_a_finished_answer_only_needs_its_ending() -> None:
     assert plan("chat", CHAT, FIRST + chat_event(finish="stop"), 1) == Finish(DONE_EVENT)
-    assert plan("chat", CHAT, FIRST + DONE_EVENT, 1) == Finish(DONE_EVENT)
+    assert plan("chat", CHAT, FIRST + DONE_EVENT, 1) == Finish(b"")  # nothing missing
 
 
 def test_max_tokens_used_up_ends_with_a_length_finish() -> None:

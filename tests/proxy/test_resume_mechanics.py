@@ -152,3 +152,15 @@ async def test_resume_attempts_bound_a_stream_whose_replicas_keep_failing() -> N
     for (_, _, outcome), n in app.stats.resumes.items():
         outcomes[outcome] = outcomes.get(outcome, 0) + n
     assert outcomes == {"attempted": 3, "succeeded": 2, "failed": 1}
+
+
+async def test_a_stream_cut_after_its_done_just_ends() -> None:
+    async with resuming(ANSWER) as (conn, held, second, app):
+        held.answer(SSE_HEAD + chunked(FIRST + b"data: [DONE]\n\n", last=False))
+        assert (await read_head(conn.reader))[0] == 200
+        chunks = read_chunks(conn.reader)
+        assert await anext(chunks) == FIRST + b"data: [DONE]\n\n"
+        held.transport.abort()  # before the last chunk
+        rest = [c async for c in chunks]  # the proxy ends the body: no error
+    assert rest == []  # no second [DONE]
+    assert second.requests == [] and app.stats.resumes == {}
