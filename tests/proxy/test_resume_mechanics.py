@@ -164,3 +164,30 @@ async def test_a_stream_cut_after_its_done_just_ends() -> None:
         rest = [c async for c in chunks]  # the proxy ends the body: no error
     assert rest == []  # no second [DONE]
     assert second.requests == [] and app.stats.resumes == {}
+
+
+async def test_a_continuation_waits_for_a_replica_with_heartbeats_in_the_stream() -> None:
+    """The cut comes while no other replica is ready (a spot replacement still
+    starting): the continuation is held (--empty-wait), the client's stream carries SSE
+    heartbeats meanwhile, and it goes on once a replica appears."""
+    async with ScriptedUpstream({"/v1/chat/completions": HOLD}) as first, \
+            ScriptedUpstream({"/v1/chat/completions": ANSWER}) as second:
+        source = ManualSource()
+        async with inprocess_proxy(source, resume_streams=True, empty_wait=20.0,
+                                   hold_heartbeat=0.2) as app:
+            source.publish(first.url)
+            async with connect(app.port) as conn:
+                conn.send(get("/v1/chat/completions", method="POST", body=CHAT))
+                held = await asyncio.wait_for(first.held.get(), 10)
+                source.publish()  # nobody else is ready
+                held.answer(SSE_HEAD + chunked(FIRST, last=False))
+                assert (await read_head(conn.reader))[0] == 200
+                chunks = read_chunks(conn.reader)
+                assert await anext(chunks) == FIRST
+                held.transport.abort()
+                assert (await anext(chunks)).startswith(b": sluice: waiting")
+                source.publish(second.url)
+                rest = [c async for c in chunks if not c.startswith(b": sluice")]
+    assert events_of(b"".join(rest))[-1] == b"data: [DONE]"
+    assert len(second.requests) == 1
+    assert ("reset", "succeeded") in [k[1:] for k in app.stats.resumes]
