@@ -34,6 +34,7 @@ from controlplane.dashboard.model import (
     service_doc,
 )
 from controlplane.store import Store, StoreError
+from proxy.wire.errors import SluiceError
 
 log = logging.getLogger("sluice.dashboard")
 
@@ -119,7 +120,11 @@ class Poller:
         now = self._clock()
         try:
             readings = [await self._read(view) for view in await ops.status(self._store)]
-        except StoreError as exc:
+        except (StoreError, SluiceError, ValueError) as exc:
+            # Redis down, or a record or spec that does not decode (SpecError, a
+            # ValueError): keep what was read last, and say why it is not fresh.
+            if str(exc) != self.error:
+                log.warning("dashboard: cannot read the fleet: %s", exc)
             self.error = str(exc) or type(exc).__name__
             self.fleet = self._stale_fleet(now)
         else:
