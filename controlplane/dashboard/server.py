@@ -195,6 +195,14 @@ async def stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-store"})  # fmt: skip
     await response.prepare(request)
+    try:
+        await _relay(poller, name, response)
+    except ConnectionResetError:
+        pass  # the page went away
+    return response
+
+
+async def _relay(poller: Poller, name: str | None, response: web.StreamResponse) -> None:
     seq = poller.seq
     while True:
         seq_now = await poller.wait(seq, STREAM_KEEPALIVE)

@@ -8,7 +8,8 @@
 "use strict";
 
 const HISTORY = 600;          // samples kept client-side (10 min at 1 s)
-const WINDOW_S = 300;         // the charts show the last 5 minutes
+const WINDOW_MAX = 300;       // the charts show up to the last 5 minutes ...
+const WINDOW_MIN = 60;        // ... and at least one (a fresh dashboard has less)
 const STATE_CLASS = {
   READY: "ok", PENDING: "info", PROVISIONING: "info", STARTING: "info",
   NOT_READY: "warn", SHUTTING_DOWN: "warn", PREEMPTED: "warn",
@@ -167,15 +168,15 @@ function fleetPage() {
 
 // -- charts ----------------------------------------------------------------------------------
 
-// series: [{name, color, points: [[t, v], ...]}]; draws the last WINDOW_S seconds to `now`.
-function chart(title, series, now, opts) {
+// series: [{name, color, points: [[t, v], ...]}]; draws the last `windowS` seconds to `now`.
+function chart(title, series, now, windowS, opts) {
   const W = 320, H = 120, L = 34, R = 6, T = 8, B = 18;
   const box = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img",
     "aria-label": title });
   let max = 0;
   for (const s of series) for (const [, v] of s.points) if (v > max) max = v;
   max = max <= 0 ? 1 : niceCeil(max * 1.15);
-  const x = (t) => L + (W - L - R) * (1 - (now - t) / WINDOW_S);
+  const x = (t) => L + (W - L - R) * (1 - (now - t) / windowS);
   const y = (v) => T + (H - T - B) * (1 - v / max);
   for (const frac of [0, 0.5, 1]) {
     const yy = y(max * frac);
@@ -184,13 +185,14 @@ function chart(title, series, now, opts) {
     label.textContent = num(max * frac, max * frac < 10 && frac ? 1 : 0);
     box.append(label);
   }
-  for (const [t, anchor, text] of [[now - WINDOW_S, "start", "−5 min"], [now, "end", "now"]]) {
+  const span = "−" + Math.round(windowS / 60) + " min";
+  for (const [t, anchor, text] of [[now - windowS, "start", span], [now, "end", "now"]]) {
     const label = svg("text", { x: x(t), y: H - 4, "text-anchor": anchor });
     label.textContent = text;
     box.append(label);
   }
   for (const s of series) {
-    const pts = s.points.filter(([t]) => now - t <= WINDOW_S);
+    const pts = s.points.filter(([t]) => now - t <= windowS);
     if (!pts.length) continue;
     const d = pts.map(([t, v], i) => (i ? "L" : "M") + x(t).toFixed(1) + " " + y(v).toFixed(1)).join("");
     box.append(svg("path", { class: "series", d, stroke: css(s.color) }));
@@ -215,7 +217,13 @@ function niceCeil(v) {
   return 10 * p;
 }
 
-function charts(history, now) {
+// The charts' span: what the history covers, in whole minutes, within [1, 5] min.
+function chartWindow(history, now) {
+  const covered = history.length ? now - history[0].t : 0;
+  return Math.min(WINDOW_MAX, Math.max(WINDOW_MIN, Math.ceil(covered / 60) * 60));
+}
+
+function charts(history, now, windowS) {
   const pick = (key) => history.filter((p) => p[key] !== null && p[key] !== undefined)
     .map((p) => [p.t, p[key]]);
   const states = new Set();
@@ -226,14 +234,15 @@ function charts(history, now) {
     points: history.map((p) => [p.t, (p.states || {})[state] || 0]),
   }));
   const out = [
-    chart("Requests/s", [{ name: "req/s", color: "--c1", points: pick("rps") }], now, { id: "rps" }),
+    chart("Requests/s", [{ name: "req/s", color: "--c1", points: pick("rps") }], now, windowS,
+      { id: "rps" }),
     chart("In flight", [{ name: "in flight", color: "--c2", points: pick("inflight") }], now,
-      { id: "inflight" }),
-    chart("Replicas by state", stateSeries, now, { id: "states" }),
+      windowS, { id: "inflight" }),
+    chart("Replicas by state", stateSeries, now, windowS, { id: "states" }),
   ];
   const ttft = pick("ttft");
   if (ttft.length) out.push(chart("TTFT (s, mean of replicas)", [{ name: "ttft", color: "--c5",
-    points: ttft }], now, { id: "ttft", digits: 3 }));
+    points: ttft }], now, windowS, { id: "ttft", digits: 3 }));
   return h("div", { class: "charts" }, out);
 }
 
@@ -292,7 +301,7 @@ function replicasTable(doc) {
     h("td", { "data-col": "id", class: "mono" }, String(r.id)),
     h("td", { "data-col": "version" }, "v" + r.version),
     h("td", { "data-col": "status" }, stateBadge(r.status),
-      r.reason ? h("span", { class: "reason" }, r.reason) : null),
+      r.reason && r.status !== "READY" ? h("span", { class: "reason" }, r.reason) : null),
     h("td", { "data-col": "url" }, link(r.url)),
     h("td", {}, r.backend),
     h("td", {}, r.resources ? r.infra + " · " + r.resources : (r.infra || "—")),
@@ -311,7 +320,7 @@ function proxiesTable(doc) {
   const rows = doc.proxies.map((p) => h("tr", { "data-proxy": p.id },
     h("td", { class: "mono", "data-col": "id" }, p.id),
     h("td", {}, String(p.generation) + " / " + doc.generation),
-    h("td", {}, p.lagging ? badge("LAGGING", "bad") : null,
+    h("td", { class: "nowrap" }, p.lagging ? badge("LAGGING", "bad") : null,
       " " + p.lag_generations + " gen, " + num(p.lag_seconds, 1) + " s"),
     h("td", {}, p.connected ? badge("yes", "ok") : badge("no", "warn")),
     h("td", {}, ago(doc.now - p.seen_at) + " ago")));
@@ -353,7 +362,9 @@ function renderService(doc, history) {
     card("Endpoint", link(doc.endpoint), "wide"),
     card("Autoscaling", autoscaler, "wide"),
     card("Uptime", ago(doc.uptime))));
-  parts.push(h("h2", {}, "Last 5 minutes"), rolloutPanel(doc.rollout), charts(history, doc.now));
+  const windowS = chartWindow(history, doc.now);
+  parts.push(h("h2", {}, "Last " + Math.round(windowS / 60) + " min"), rolloutPanel(doc.rollout),
+    charts(history, doc.now, windowS));
   parts.push(h("h2", {}, "Replicas"), replicasTable(doc));
   parts.push(h("div", { class: "grid2" },
     h("section", {}, h("h2", {}, "Events"), timeline(doc)),
