@@ -28,10 +28,15 @@ from typing import Any
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from aiohttp import web
 
+from controlplane.dashboard import DashboardConfig
+from controlplane.dashboard.poller import Poller
+from controlplane.dashboard.server import make_app
 from controlplane.store import Store
 from proxy.wire.telemetry import ProxyHeartbeat
 from tests.support.browser import Chromium, Page, chromium_binary
+from tests.support.builders import make_spec, registered, replica
 from tests.support.cli import sluice, spawn_sluice, store_call
 from tests.support.pids import descendants, kill_all
 from tests.support.poll import until, until_sync
@@ -258,3 +263,52 @@ async def test_strings_from_redis_are_text_never_code(fleet: Fleet) -> None:
         assert await page.evaluate("window.__xss === undefined")
         await page.screenshot(SHOTS / "service-xss-light.png")
         assert page.console_errors == [], page.console_errors
+
+
+class EngineStore(Store):
+    """A store with engine views, as the engine-telemetry work adds (`read_engines`)."""
+
+    async def read_engines(self, name: str) -> dict[Any, Any]:
+        return {1: {"waiting": 3, "running": 2, "kv_usage": 0.5, "ttft_p50": 0.125,
+                    "engine": XSS}}  # fmt: skip
+
+
+async def test_engine_columns_and_ttft_chart_when_engines_report(
+    redis_client: aioredis.Redis, redis_prefix: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    """With engine telemetry in the store, the service page grows an Engine column
+    (queue, running, KV usage; other fields as text) and a TTFT chart; a replica without
+    one shows a dash. (In-process dashboard on a real redis-server, real Chromium.)"""
+    store = EngineStore(redis_client, prefix=redis_prefix)
+    await registered(store, "svc", spec=make_spec(2).to_json())
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    poller = Poller(store, interval=0.2)
+    await poller.step()
+    config = DashboardConfig(port=free_port())
+    runner = web.AppRunner(make_app(poller, config), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, HOST, config.port).start()
+    await poller.start()
+    try:
+        async with Chromium.launch(tmp_path) as browser:
+            page = await browser.new_page()
+            await page.goto(f"http://{HOST}:{config.port}/service/svc")
+            cell = await page.wait_for(
+                "document.querySelector('tr[data-replica-id=\"1\"] [data-col=engine]')"
+                "?.textContent", what="replica 1's engine cell")
+            assert cell == "queue 3 · running 2 · KV 50%"
+            assert await page.evaluate(
+                "document.querySelector('tr[data-replica-id=\"2\"] [data-col=engine]')"
+                ".textContent") == "—"
+            await page.wait_for("!!document.querySelector('[data-chart=ttft] path')",
+                                what="the TTFT chart")  # fmt: skip
+            title = await page.evaluate(
+                "document.querySelector('tr[data-replica-id=\"1\"] [data-col=engine] span')"
+                ".title")
+            assert XSS in title and "ttft_p50=0.125" in title
+            assert await page.evaluate("document.querySelectorAll('main img').length") == 0
+            await page.screenshot(SHOTS / "service-engines-light.png")
+            assert page.console_errors == [], page.console_errors
+    finally:
+        await runner.cleanup()
+        await poller.aclose()

@@ -159,7 +159,10 @@ function renderFleet(data) {
 function fleetPage() {
   crumbs(null);
   document.title = "sluice: fleet";
-  fetch("/api/fleet").then((r) => r.json()).then(renderFleet).catch(() => {});
+  fetch("/api/fleet").then((r) => r.json()).then((data) => {
+    renderFleet(data);
+    if (!data.error) setLive("live", "live · " + clock(data.at));
+  }).catch(() => {});
   stream("/api/stream", (data) => {
     renderFleet(data);
     return !data.error;
@@ -385,7 +388,7 @@ function servicePage(name) {
   }).then((data) => {
     if (!data) return;
     history = data.history || [];
-    if (!doc) { doc = data; renderService(doc, history); }
+    if (!doc) { doc = data; renderService(doc, history); setLive("live", "live · " + clock(data.now)); }
   }).catch(() => {});
   stream("/api/stream?service=" + encodeURIComponent(name), (data) => {
     if (data.gone) { missing(); return true; }
