@@ -33,7 +33,8 @@ from controlplane.dashboard.model import (
     sample,
     service_doc,
 )
-from controlplane.store import Store, StoreError
+from controlplane.records import Event
+from controlplane.store import ServiceNotFound, Store, StoreError
 from proxy.wire.errors import SluiceError
 
 log = logging.getLogger("sluice.dashboard")
@@ -42,10 +43,25 @@ log = logging.getLogger("sluice.dashboard")
 DEFAULT_HISTORY = 600
 #: Events read per service per step (the timeline shows these).
 EVENTS_SHOWN = 100
+#: Events read per service per step once the latest EVENTS_SHOWN are kept.
+EVENTS_PEEK = 10
+#: Seconds of request counts read per service per step (the newest whole one is 2 s old).
+RPS_SECONDS = 4
+#: Services read at once in a step (each read is a few round trips to Redis).
+READ_CONCURRENCY = 8
 #: Autoscaler decisions remembered per service (they are not in the event stream).
 DECISIONS_KEPT = 50
 
 _ENCODER = msgspec.json.Encoder()
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as a comparable pair ((0, 0) if malformed)."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return 0, 0
 
 
 class _EngineReader(Protocol):
@@ -68,6 +84,7 @@ class Poller:
         self._history_len = history
         self._clock = clock
         self._cond = asyncio.Condition()
+        self._concurrency = asyncio.Semaphore(READ_CONCURRENCY)
         self._task: asyncio.Task[None] | None = None
         self.seq = 0  # steps completed
         self.error: str | None = None  # the last step's failure, None when it succeeded
@@ -76,6 +93,7 @@ class Poller:
         self.latest: dict[str, bytes] = {}  # name -> encoded {"doc", "sample"} (the stream)
         self.history: dict[str, collections.deque[JSON]] = {}
         self._decisions: dict[str, collections.deque[JSON]] = {}
+        self._events_kept: dict[str, list[Event]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -119,7 +137,9 @@ class Poller:
         """Read every service once and publish the documents (Redis errors are kept)."""
         now = self._clock()
         try:
-            readings = [await self._read(view) for view in await ops.status(self._store)]
+            names = await self._store.services()
+            found = await asyncio.gather(*(self._bounded_read(name) for name in names))
+            readings = [r for r in found if r is not None]
         except (StoreError, SluiceError, ValueError) as exc:
             # Redis down, or a record or spec that does not decode (SpecError, a
             # ValueError): keep what was read last, and say why it is not fresh.
@@ -134,14 +154,40 @@ class Poller:
             self.seq += 1
             self._cond.notify_all()
 
+    async def _bounded_read(self, name: str) -> Reading | None:
+        """`sluice status`'s view of `name` and the rest (None: removed since the listing)."""
+        async with self._concurrency:
+            try:
+                views = await ops.status(self._store, name)
+            except ServiceNotFound:
+                return None
+            return await self._read(views[0])
+
     async def _read(self, view: ops.ServiceView) -> Reading:
         name = view.name
         store = self._store
-        events = await store.events(name, EVENTS_SHOWN)
-        rps = await store.read_rps(name)
+        events = await self._events(name)
+        # The last few seconds only: the hash holds up to an hour of them.
+        second = int(self._clock())
+        rps = await store.read_rps_seconds(name, range(second - RPS_SECONDS, second + 1))
         inflight = await store.read_inflight(name)
         return Reading(view=view, events=events, rps=rps, inflight=inflight,
                        engines=await self._engines(name))  # fmt: skip
+
+    async def _events(self, name: str) -> list[Event]:
+        """The latest EVENTS_SHOWN events: the last few read and joined to those kept,
+        unless more arrived since the last step than that read covers (then all again)."""
+        kept = self._events_kept.get(name)
+        if kept:
+            recent = await self._store.events(name, EVENTS_PEEK)
+            last = _stream_id(kept[-1].id)
+            if not recent or _stream_id(recent[0].id) <= last:
+                kept = [*kept, *(e for e in recent if _stream_id(e.id) > last)][-EVENTS_SHOWN:]
+                self._events_kept[name] = kept
+                return kept
+        kept = await self._store.events(name, EVENTS_SHOWN)
+        self._events_kept[name] = kept
+        return kept
 
     async def _engines(self, name: str) -> dict[int, dict[str, Scalar]]:
         """Engine views, when the store offers them (absent otherwise): a read that fails
@@ -169,6 +215,7 @@ class Poller:
         for gone in set(self.history) - names:
             del self.history[gone]
             self._decisions.pop(gone, None)
+            self._events_kept.pop(gone, None)
         fleet: list[JSON] = []
         services: dict[str, bytes] = {}
         latest: dict[str, bytes] = {}

@@ -337,3 +337,43 @@ def test_rollout_progress() -> None:
                  version=2, active=[2])  # fmt: skip
     assert rollout(done) is None
     assert rollout(_view((3, 2, ready), version=2, active=[1, 2])) is not None
+
+
+async def test_events_are_joined_across_steps_and_reread_after_a_burst(store: Store) -> None:
+    """Each step reads only the newest few events once it holds the latest ones; a burst
+    larger than that read is read whole again, so the timeline never has a hole."""
+    await _two_replicas(store)
+    for i in range(120):
+        await store.append_event("svc", "launch", {"replica": 1, "n": i})
+    poller = Poller(store)
+
+    async def shown() -> list[str]:
+        await poller.step()
+        return [e["fields"].get("n", "") for e in
+                msgspec.json.decode(poller.services["svc"])["events"]]  # fmt: skip
+
+    assert await shown() == [str(i) for i in range(20, 120)]
+    for i in range(120, 123):  # fewer than one peek: joined
+        await store.append_event("svc", "launch", {"replica": 1, "n": i})
+    assert await shown() == [str(i) for i in range(23, 123)]
+    for i in range(123, 160):  # a burst: read whole again
+        await store.append_event("svc", "launch", {"replica": 1, "n": i})
+    assert await shown() == [str(i) for i in range(60, 160)]
+    assert await shown() == [str(i) for i in range(60, 160)]  # nothing new: the same
+
+
+async def test_request_rate_reads_only_the_last_seconds(
+    store: Store, redis_client: aioredis.Redis,
+) -> None:  # fmt: skip
+    await _two_replicas(store)
+    key = store.keys.rps("svc")
+    await redis_client.hset(key, mapping={"100": 7, "101": "x", "102": 9, "5": 1})
+    assert await store.read_rps_seconds("svc", range(100, 104)) == {100: 7, 102: 9}
+    assert await store.read_rps_seconds("svc", []) == {}
+    now = 1_000_000.0
+    await redis_client.hset(key, mapping={str(int(now) - 2): 42, str(int(now) - 1): 3})
+    poller = Poller(store, clock=lambda: now)
+    await poller.step()
+    fleet = msgspec.json.decode(poller.fleet)
+    assert fleet["services"][0]["rps"] == 42  # the newest whole second
+    assert list(poller.history["svc"])[-1]["rps"] == 42
