@@ -13,7 +13,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from controlplane.dashboard.poller import Poller
-from controlplane.dashboard.server import DashboardConfig, make_app
+from controlplane.dashboard.server import DashboardConfig, DashboardConfigError, make_app
 from controlplane.store import Store
 
 
@@ -30,11 +30,17 @@ async def serve(
     try:
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise DashboardConfigError(
+                f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}"
+            ) from exc
         if on_listening is not None:
             scheme = "https" if ssl_context else "http"
             host = f"[{config.host}]" if ":" in config.host else config.host
-            on_listening(f"{scheme}://{host}:{config.port}/")
+            port = runner.addresses[0][1] if runner.addresses else config.port  # --port 0
+            on_listening(f"{scheme}://{host}:{port}/")
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

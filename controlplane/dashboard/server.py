@@ -148,7 +148,9 @@ async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
                 return web.json_response({"error": "bad token"}, status=401)
             # Trade the URL token for a cookie, and drop it from the address bar/history.
             query = {k: v for k, v in request.query.items() if k != "token"}
-            response = web.HTTPSeeOther(request.rel_url.with_query(query))
+            # One leading slash: "//host/..." would send the browser to another host.
+            here = request.rel_url.with_path("/" + request.path.lstrip("/")).with_query(query)
+            response = web.HTTPSeeOther(here)
             response.set_cookie(COOKIE, token, httponly=True, samesite="Strict",
                                 secure=config.tls, path="/")  # fmt: skip
             return response

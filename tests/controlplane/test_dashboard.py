@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -163,6 +164,9 @@ async def test_token_is_required_and_traded_for_a_strict_cookie(
             assert resp.headers["Location"] == "/service/svc?x=1"
             cookie = resp.headers["Set-Cookie"]
             assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+        async with http.get(f"{base}//evil.example/?token={token}",
+                            allow_redirects=False) as resp:  # fmt: skip
+            assert resp.headers["Location"] == "/evil.example/"  # never another host
         async with http.get(base + "/api/services/svc") as resp:  # the cookie now
             assert resp.status == 200
         async with http.post(base + "/api/fleet") as resp:  # a token does not allow writes
@@ -377,3 +381,12 @@ async def test_request_rate_reads_only_the_last_seconds(
     fleet = msgspec.json.decode(poller.fleet)
     assert fleet["services"][0]["rps"] == 42  # the newest whole second
     assert list(poller.history["svc"])[-1]["rps"] == 42
+
+
+def test_cli_says_in_one_line_when_the_port_is_taken(redis_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind((HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = sluice("dashboard", "--port", str(port), "--redis", redis_url)
+    one_line_error(result, f"cannot listen on 127.0.0.1:{port}")
