@@ -48,6 +48,8 @@ READ_METHODS = frozenset({"GET", "HEAD"})
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 #: How long an event stream waits for a poll before sending a keep-alive comment.
 STREAM_KEEPALIVE = 15.0
+#: Event streams open at once (each holds a connection and a task); more get a 503.
+MAX_STREAMS = 64
 _ENCODER = msgspec.json.Encoder()
 
 class DashboardConfigError(SluiceError, ValueError):
@@ -112,6 +114,7 @@ class DashboardConfig:
 
 POLLER = web.AppKey("poller", Poller)
 CONFIG = web.AppKey("config", DashboardConfig)
+STREAMS = web.AppKey("streams", list[int])  # [open event streams]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -194,6 +197,18 @@ async def stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: after every poll, the fleet (or one service's doc and sample)."""
     poller = request.app[POLLER]
     name = request.query.get("service")
+    open_streams = request.app[STREAMS]
+    if open_streams[0] >= MAX_STREAMS:
+        return web.json_response({"error": "too many open streams"}, status=503,
+                                 headers={"Retry-After": "5"})  # fmt: skip
+    open_streams[0] += 1
+    try:
+        return await _stream(request, poller, name)
+    finally:
+        open_streams[0] -= 1
+
+
+async def _stream(request: web.Request, poller: Poller, name: str | None) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-store"})  # fmt: skip
     await response.prepare(request)
@@ -231,6 +246,7 @@ def make_app(poller: Poller, config: DashboardConfig) -> web.Application:
     app = web.Application(middlewares=[headers, read_only, access])
     app[POLLER] = poller
     app[CONFIG] = config
+    app[STREAMS] = [0]
     app.router.add_get("/", page)
     app.router.add_get("/service/{name}", page)
     app.router.add_get("/api/fleet", fleet)

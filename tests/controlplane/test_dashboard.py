@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import trustme
 from aiohttp import web
 
-from controlplane.dashboard import DashboardConfig, DashboardConfigError
+from controlplane.dashboard import DashboardConfig, DashboardConfigError, server
 from controlplane.dashboard.model import engine_scalars, rollout
 from controlplane.dashboard.poller import Poller
 from controlplane.dashboard.server import make_app
@@ -390,3 +390,32 @@ def test_cli_says_in_one_line_when_the_port_is_taken(redis_url: str) -> None:
         port = taken.getsockname()[1]
         result = sluice("dashboard", "--port", str(port), "--redis", redis_url)
     one_line_error(result, f"cannot listen on 127.0.0.1:{port}")
+
+
+async def test_open_streams_are_bounded(
+    store: Store, serve: Serve, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setattr(server, "MAX_STREAMS", 2)
+    poller, base = await serve(store)
+    await poller.step()
+    streams = [await http.get(f"{base}/api/stream") for _ in range(2)]
+    try:
+        async with http.get(f"{base}/api/stream") as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"] == "5"
+        streams.pop().close()
+
+        async def slot() -> bool:  # the server sees a page gone at its next write
+            await poller.step()
+            return await _stream_ok(http, base)
+
+        await until(slot, timeout=10, what="a stream slot again")
+    finally:
+        for resp in streams:
+            resp.close()
+
+
+async def _stream_ok(http: aiohttp.ClientSession, base: str) -> bool:
+    resp = await http.get(f"{base}/api/stream")
+    resp.close()
+    return resp.status == 200
