@@ -93,10 +93,6 @@ function clock(t) {
   return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
 }
 
-function css(name) {
-  return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
-}
-
 function setLive(state, text) {
   const el = document.getElementById("live");
   el.dataset.state = state;
@@ -198,13 +194,15 @@ function chart(title, series, now, windowS, opts) {
     const pts = s.points.filter(([t]) => now - t <= windowS);
     if (!pts.length) continue;
     const d = pts.map(([t, v], i) => (i ? "L" : "M") + x(t).toFixed(1) + " " + y(v).toFixed(1)).join("");
-    box.append(svg("path", { class: "series", d, stroke: css(s.color) }));
+    const path = svg("path", { class: "series", d });
+    path.style.stroke = "var(" + s.color + ")";  // CSSOM: follows the colour scheme live
+    box.append(path);
   }
   const last = series.length === 1 && series[0].points.length
     ? series[0].points[series[0].points.length - 1][1] : null;
   const legend = series.length > 1 ? h("div", { class: "legend" }, series.map((s) => {
     const swatch = h("i", {});
-    swatch.style.background = css(s.color);
+    swatch.style.background = "var(" + s.color + ")";
     const latest = s.points.length ? s.points[s.points.length - 1][1] : 0;
     return h("span", {}, swatch, s.name + " " + num(latest));
   })) : null;
