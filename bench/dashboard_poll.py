@@ -89,7 +89,7 @@ async def cell(url: str, services: int, replicas: int, streams: int, steps: int,
             await poller.step()
             times.append(time.perf_counter() - started)
         after = int((await client.info("stats"))["total_commands_processed"])
-        size = len(poller.fleet) + sum(len(b) for b in poller.services.values())
+        size = len(poller.fleet) + sum(len(b) for b in poller.latest.values())
         return (after - before - 1) / steps, times, size
     finally:
         for resp in opened:

@@ -2,8 +2,8 @@
 
 Every `interval` (1 s) one `step()` reads every service (`ops.status`, the same view
 `sluice status` prints, plus the events, request counts, in-flight counts and, when the
-store has them, engine views), encodes the fleet document and each service document
-once, and appends one sample per service to a ring buffer (`history` samples, 10 min
+store has them, engine views), encodes the fleet document and each service's stream
+message once, and appends one sample per service to a ring buffer (`history` samples, 10 min
 at 1 s). Pages and the event stream read only these: N open dashboards cost Redis what
 one does, and a page's request never waits on Redis.
 
@@ -89,7 +89,7 @@ class Poller:
         self.seq = 0  # steps completed
         self.error: str | None = None  # the last step's failure, None when it succeeded
         self.fleet: bytes = _ENCODER.encode({"services": [], "at": 0.0, "error": None})
-        self.services: dict[str, bytes] = {}  # name -> encoded service document
+        self.docs: dict[str, JSON] = {}  # name -> service document (no history)
         self.latest: dict[str, bytes] = {}  # name -> encoded {"doc", "sample"} (the stream)
         self.history: dict[str, collections.deque[JSON]] = {}
         self._decisions: dict[str, collections.deque[JSON]] = {}
@@ -217,7 +217,7 @@ class Poller:
             self._decisions.pop(gone, None)
             self._events_kept.pop(gone, None)
         fleet: list[JSON] = []
-        services: dict[str, bytes] = {}
+        docs: dict[str, JSON] = {}
         latest: dict[str, bytes] = {}
         for reading in readings:
             name = reading.view.name
@@ -228,10 +228,18 @@ class Poller:
             doc = service_doc(reading, now)
             doc["decisions"] = list(self._decision_log(reading))
             fleet.append(fleet_row(reading, now))
-            services[name] = _ENCODER.encode({**doc, "history": list(self.history[name])})
+            docs[name] = doc
             latest[name] = _ENCODER.encode({"doc": doc, "sample": point})
-        self.services, self.latest = services, latest
+        self.docs, self.latest = docs, latest
         self.fleet = _ENCODER.encode({"services": fleet, "at": now, "error": None})
+
+    def service_body(self, name: str) -> bytes | None:
+        """The service page's first load: its document with the whole chart history
+        (encoded per request, not per step: streams carry one sample at a time)."""
+        doc = self.docs.get(name)
+        if doc is None:
+            return None
+        return _ENCODER.encode({**doc, "history": list(self.history.get(name, ()))})
 
     def _decision_log(self, reading: Reading) -> collections.deque[JSON]:
         """The autoscaler's decisions seen so far (it keeps only its last one in Redis)."""

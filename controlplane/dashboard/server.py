@@ -187,7 +187,7 @@ async def fleet(request: web.Request) -> web.Response:
 
 
 async def service(request: web.Request) -> web.Response:
-    body = request.app[POLLER].services.get(request.match_info["name"])
+    body = request.app[POLLER].service_body(request.match_info["name"])
     if body is None:
         return web.json_response({"error": "no such service"}, status=404)
     return web.Response(body=body, content_type="application/json")

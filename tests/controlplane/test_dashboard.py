@@ -261,11 +261,11 @@ async def test_engine_dict_shown_when_the_store_has_one_and_absent_otherwise(
     await _two_replicas(store)
     plain = Poller(store)
     await plain.step()
-    doc = plain.services["svc"]
+    doc = plain.service_body("svc")
     assert b'"engine"' not in doc
     with_engines = Poller(EngineStore(redis_client, prefix=redis_prefix))
     await with_engines.step()
-    replicas = msgspec.json.decode(with_engines.services["svc"])["replicas"]
+    replicas = msgspec.json.decode(with_engines.service_body("svc"))["replicas"]
     engine = replicas[0]["engine"]
     assert engine == {"waiting": 3, "running": 2, "kv_usage": 0.5, "text": "<b>" + "y" * 77}
     assert "engine" not in replicas[1]
@@ -285,7 +285,7 @@ async def test_history_is_a_bounded_ring(store: Store) -> None:
         await poller.step()
     assert len(poller.history["svc"]) == 5
     assert poller.seq == 8
-    doc = msgspec.json.decode(poller.services["svc"])
+    doc = msgspec.json.decode(poller.service_body("svc"))
     assert len(doc["history"]) == 5
     assert doc["history"][-1]["states"] == {"READY": 2}
 
@@ -304,7 +304,7 @@ async def test_redis_down_keeps_the_last_data_marked_with_the_error(
         fleet = msgspec.json.decode(poller.fleet)
         assert fleet["error"] == poller.error
         assert [s["name"] for s in fleet["services"]] == ["svc"]
-        assert "svc" in poller.services  # the service page keeps its last document
+        assert poller.service_body("svc") is not None  # the service page keeps its last document
 
 
 async def test_wait_wakes_on_the_next_step(store: Store) -> None:
@@ -354,7 +354,7 @@ async def test_events_are_joined_across_steps_and_reread_after_a_burst(store: St
     async def shown() -> list[str]:
         await poller.step()
         return [e["fields"].get("n", "") for e in
-                msgspec.json.decode(poller.services["svc"])["events"]]  # fmt: skip
+                msgspec.json.decode(poller.service_body("svc"))["events"]]  # fmt: skip
 
     assert await shown() == [str(i) for i in range(20, 120)]
     for i in range(120, 123):  # fewer than one peek: joined
