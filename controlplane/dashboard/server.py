@@ -136,12 +136,20 @@ def _token_ok(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(given.encode(), token.encode())
 
 
+def _host_name(host: str) -> str:
+    """The name in a Host header, without the port: "[::1]:80" -> "[::1]"."""
+    host = host.lower()
+    if host.startswith("["):
+        name, _, rest = host.partition("]")
+        return name + "]" if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else host
+    return host.rsplit(":", 1)[0]
+
+
 @web.middleware
 async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The token (when configured) and, on loopback, a loopback Host header."""
     config = request.app[CONFIG]
-    if is_loopback(config.host) and (request.host.rsplit(":", 1)[0].lower()
-                                     not in LOOPBACK_NAMES):  # fmt: skip
+    if is_loopback(config.host) and _host_name(request.host) not in LOOPBACK_NAMES:
         return web.json_response({"error": "Host must be loopback"}, status=421)
     token = config.token
     if token is not None:

@@ -182,7 +182,10 @@ async def test_loopback_dashboard_refuses_a_foreign_host_header(
     await poller.step()
     async with http.get(base + "/api/fleet", headers={"Host": "evil.example:80"}) as resp:
         assert resp.status == 421
-    for host in ("localhost", "127.0.0.1:1234", "[::1]:80"):
+    for host in ("evil.example", "[::1].evil.example", "127.0.0.1.evil.example:80"):
+        async with http.get(base + "/api/fleet", headers={"Host": host}) as resp:
+            assert resp.status == 421, host
+    for host in ("localhost", "LOCALHOST:8090", "127.0.0.1:1234", "[::1]:80", "[::1]"):
         async with http.get(base + "/api/fleet", headers={"Host": host}) as resp:
             assert resp.status == 200, host
 
