@@ -138,8 +138,13 @@ class Poller:
         now = self._clock()
         try:
             names = await self._store.services()
-            found = await asyncio.gather(*(self._bounded_read(name) for name in names))
-            readings = [r for r in found if r is not None]
+            # Every read finishes (none is left running unawaited); the first error wins.
+            found = await asyncio.gather(*(self._bounded_read(name) for name in names),
+                                         return_exceptions=True)  # fmt: skip
+            for result in found:
+                if isinstance(result, BaseException):
+                    raise result
+            readings = [r for r in found if isinstance(r, Reading)]
         except (StoreError, SluiceError, ValueError) as exc:
             # Redis down, or a record or spec that does not decode (SpecError, a
             # ValueError): keep what was read last, and say why it is not fresh.

@@ -422,3 +422,16 @@ async def _stream_ok(http: aiohttp.ClientSession, base: str) -> bool:
     resp = await http.get(f"{base}/api/stream")
     resp.close()
     return resp.status == 200
+
+
+async def test_a_spec_that_does_not_decode_is_the_error_not_a_crash(store: Store) -> None:
+    await _two_replicas(store)
+    poller = Poller(store)
+    await poller.step()
+    await registered(store, "broken", spec=b'{"replicas": 2}')  # not a service spec
+    await poller.step()
+    assert poller.error is not None and "stored spec" in poller.error
+    fleet = msgspec.json.decode(poller.fleet)
+    assert fleet["error"] == poller.error
+    assert [s["name"] for s in fleet["services"]] == ["svc"]  # the last good read
+    assert poller.seq == 2  # the step completed: streams were woken with the error
