@@ -7,8 +7,8 @@ CLI cannot disagree about ids, states and versions.
 
 Engine telemetry is optional: a store that has a `read_engines(name)` method (issue 26:
 replica id -> a struct or mapping of scalars, e.g. running, waiting, kv_usage,
-ttft_p50) gets an `engine` dict on each replica that has one; otherwise the key is
-absent. Nothing here does I/O.
+ttft_p50, directly or as the `replicas` of a view) gets an `engine` dict on each
+replica that has one; otherwise the key is absent. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class Reading:
 
 def engine_scalars(value: object) -> dict[str, Scalar]:
     """An engine entry (a Struct or a mapping) as a small dict of scalars; anything else
-    (nested values, non-finite numbers) is dropped, long strings are cut."""
+    (None, nested values, non-finite numbers) is dropped, long strings are cut."""
     if isinstance(value, msgspec.Struct):
         value = msgspec.to_builtins(value)
     if not isinstance(value, Mapping):
@@ -63,7 +63,9 @@ def engine_scalars(value: object) -> dict[str, Scalar]:
             continue
         if isinstance(item, str):
             item = item[:MAX_ENGINE_TEXT]
-        if item is None or isinstance(item, str | int | float | bool):
+        if item is None:
+            continue  # not reported by this engine: shown as absent, not as a value
+        if isinstance(item, str | int | float | bool):
             out[str(key)[:MAX_ENGINE_TEXT]] = item
     return out
 

@@ -18,8 +18,8 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import msgspec
 
@@ -65,7 +65,7 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
 
 
 class _EngineReader(Protocol):
-    def __call__(self, name: str) -> Awaitable[dict[Any, Any]]: ...
+    def __call__(self, name: str) -> Awaitable[object]: ...
 
 
 class Poller:
@@ -196,7 +196,11 @@ class Poller:
 
     async def _engines(self, name: str) -> dict[int, dict[str, Scalar]]:
         """Engine views, when the store offers them (absent otherwise): a read that fails
-        or an entry that is not a scalar mapping shows nothing, never an error."""
+        or an entry that is not a scalar mapping shows nothing, never an error.
+
+        `Store.read_engines(name)` (engine telemetry, issue 26) may answer None, a
+        mapping replica id -> stats, or a view whose `replicas` is that mapping (the
+        routing branch's EngineView); stats are Structs or mappings of scalars."""
         reader: _EngineReader | None = getattr(self._store, "read_engines", None)
         if reader is None:
             return {}
@@ -204,8 +208,11 @@ class Poller:
             raw = await reader(name)
         except StoreError:
             return {}
+        per_replica = getattr(raw, "replicas", raw)
+        if not isinstance(per_replica, Mapping):
+            return {}
         out: dict[int, dict[str, Scalar]] = {}
-        for key, value in raw.items():
+        for key, value in per_replica.items():
             try:
                 rid = int(key)
             except (TypeError, ValueError):

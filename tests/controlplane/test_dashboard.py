@@ -274,6 +274,50 @@ async def test_engine_dict_shown_when_the_store_has_one_and_absent_otherwise(
     assert "engine" not in replicas[1]
 
 
+class Stats(msgspec.Struct, frozen=True, kw_only=True):
+    """Shaped like the routing branch's EngineStats (proxy/wire/engines.py there)."""
+
+    url: str = ""
+    engine: str = "unknown"
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    ttft_p50: float | None = None
+
+
+class View(msgspec.Struct, frozen=True, kw_only=True):
+    """Shaped like its EngineView: replica id (a string) -> stats."""
+
+    service: str = ""
+    replicas: dict[str, Stats] = {}
+
+
+class ViewStore(Store):
+    """A store whose `read_engines` answers a view, or None (nothing published)."""
+
+    view: View | None = None
+
+    async def read_engines(self, name: str) -> View | None:
+        return self.view
+
+
+async def test_engine_view_struct_with_unknown_fields_absent(
+    redis_client: aioredis.Redis, redis_prefix: str, store: Store,
+) -> None:  # fmt: skip
+    await _two_replicas(store)
+    view_store = ViewStore(redis_client, prefix=redis_prefix)
+    poller = Poller(view_store)
+    await poller.step()  # None: no engine anywhere
+    assert b'"engine"' not in (poller.service_body("svc") or b"")
+    view_store.view = View(service="svc", replicas={
+        "2": Stats(url="http://127.0.0.1:20002", engine="llamacpp", running=1.0, waiting=0.0)})
+    await poller.step()
+    replicas = msgspec.json.decode(poller.service_body("svc") or b"")["replicas"]
+    assert "engine" not in replicas[0]
+    assert replicas[1]["engine"] == {"url": "http://127.0.0.1:20002", "engine": "llamacpp",
+                                     "running": 1.0, "waiting": 0.0}  # None fields absent
+
+
 def test_engine_scalars_bounds_what_it_keeps() -> None:
     many = {f"k{i}": i for i in range(100)}
     assert len(engine_scalars(many)) == 24

@@ -269,8 +269,8 @@ class EngineStore(Store):
     """A store with engine views, as the engine-telemetry work adds (`read_engines`)."""
 
     async def read_engines(self, name: str) -> dict[Any, Any]:
-        return {1: {"waiting": 3, "running": 2, "kv_usage": 0.5, "ttft_p50": 0.125,
-                    "engine": XSS}}  # fmt: skip
+        return {1: {"engine": "llamacpp", "waiting": 3, "running": 2, "kv_usage": 0.5,
+                    "ttft_p50": 0.125, "error": XSS}}  # fmt: skip
 
 
 async def test_engine_columns_and_ttft_chart_when_engines_report(
@@ -296,7 +296,7 @@ async def test_engine_columns_and_ttft_chart_when_engines_report(
             cell = await page.wait_for(
                 "document.querySelector('tr[data-replica-id=\"1\"] [data-col=engine]')"
                 "?.textContent", what="replica 1's engine cell")
-            assert cell == "queue 3 · running 2 · KV 50%"
+            assert cell == "llamacpp · queue 3 · running 2 · KV 50%"
             assert await page.evaluate(
                 "document.querySelector('tr[data-replica-id=\"2\"] [data-col=engine]')"
                 ".textContent") == "—"

@@ -283,12 +283,13 @@ function engineCell(e) {
   if (!e) return h("span", { class: "muted" }, "—");
   const known = [["waiting", "queue"], ["running", "running"], ["kv_usage", "KV"]];
   const parts = [];
+  if (typeof e.engine === "string" && e.engine !== "unknown") parts.push(e.engine);
   for (const [k, label] of known) {
     if (e[k] === undefined) continue;
     const v = k === "kv_usage" && typeof e[k] === "number" ? Math.round(e[k] * 100) + "%" : num(e[k]);
     parts.push(label + " " + v);
   }
-  const rest = Object.entries(e).filter(([k]) => !known.some(([n]) => n === k))
+  const rest = Object.entries(e).filter(([k]) => k !== "engine" && !known.some(([n]) => n === k))
     .map(([k, v]) => k + "=" + v).join(" ");
   return h("span", { class: "engine", title: rest }, parts.join(" · ") || rest);
 }
