@@ -246,16 +246,22 @@ def test_cli_refuses_a_public_host_without_token_or_tls() -> None:
     one_line_error(result, "--host 0.0.0.0 is not loopback", "--token")
 
 
+class RawView(msgspec.Struct, frozen=True):
+    """A view as `read_engines` answers it (`.replicas`), with entries of any shape."""
+
+    replicas: dict[Any, Any]
+
+
 class EngineStore(Store):
     """A store that has engine views (the engine-telemetry branch adds `read_engines`)."""
 
-    async def read_engines(self, name: str) -> dict[Any, Any]:
-        return {
+    async def read_engines(self, name: str) -> RawView:
+        return RawView({
             1: {"waiting": 3, "running": 2, "kv_usage": 0.5, "nested": {"x": 1},
                 "bad": math.nan, "text": "<b>" + "y" * 200},
             "not-an-id": {"waiting": 1},
             2: "not a mapping",
-        }  # fmt: skip
+        })  # fmt: skip
 
 
 async def test_engine_dict_shown_when_the_store_has_one_and_absent_otherwise(

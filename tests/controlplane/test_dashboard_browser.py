@@ -265,12 +265,18 @@ async def test_strings_from_redis_are_text_never_code(fleet: Fleet) -> None:
         assert page.console_errors == [], page.console_errors
 
 
+class EngineView(msgspec.Struct, frozen=True):
+    """Shaped like the engine-telemetry view: replica id -> that replica's engine."""
+
+    replicas: dict[str, dict[str, Any]]
+
+
 class EngineStore(Store):
     """A store with engine views, as the engine-telemetry work adds (`read_engines`)."""
 
-    async def read_engines(self, name: str) -> dict[Any, Any]:
-        return {1: {"engine": "llamacpp", "waiting": 3, "running": 2, "kv_usage": 0.5,
-                    "ttft_p50": 0.125, "error": XSS}}  # fmt: skip
+    async def read_engines(self, name: str) -> EngineView:
+        return EngineView({"1": {"engine": "llamacpp", "waiting": 3, "running": 2,
+                                 "kv_usage": 0.5, "ttft_p50": 0.125, "error": XSS}})  # fmt: skip
 
 
 async def test_engine_columns_and_ttft_chart_when_engines_report(
