@@ -172,16 +172,20 @@ function chart(title, series, now, windowS, opts) {
   const W = 320, H = 120, L = 34, R = 6, T = 8, B = 18;
   const box = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none", role: "img",
     "aria-label": title });
+  const stacked = Boolean(opts && opts.stacked);
+  if (stacked) series = stack(series);
   let max = 0;
   for (const s of series) for (const [, v] of s.points) if (v > max) max = v;
-  max = max <= 0 ? 1 : niceCeil(max * 1.15);
+  if (opts && opts.integer) max = Math.max(2, Math.ceil(max * 1.15 / 2) * 2);  // halves whole
+  else max = max <= 0 ? 1 : niceCeil(max * 1.15);
   const x = (t) => L + (W - L - R) * (1 - (now - t) / windowS);
   const y = (v) => T + (H - T - B) * (1 - v / max);
   for (const frac of [0, 0.5, 1]) {
     const yy = y(max * frac);
     box.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: yy, y2: yy }));
     const label = svg("text", { x: L - 4, y: yy + 3, "text-anchor": "end" });
-    label.textContent = num(max * frac, max * frac < 10 && frac ? 1 : 0);
+    const whole = (opts && opts.integer) || Number.isInteger(max * frac);
+    label.textContent = num(max * frac, whole ? 0 : 1);
     box.append(label);
   }
   const span = "−" + Math.round(windowS / 60) + " min";
@@ -193,7 +197,14 @@ function chart(title, series, now, windowS, opts) {
   for (const s of series) {
     const pts = s.points.filter(([t]) => now - t <= windowS);
     if (!pts.length) continue;
-    const d = pts.map(([t, v], i) => (i ? "L" : "M") + x(t).toFixed(1) + " " + y(v).toFixed(1)).join("");
+    const line = (p, i) => (i ? "L" : "M") + x(p[0]).toFixed(1) + " " + y(p[1]).toFixed(1);
+    const d = pts.map(line).join("");
+    if (stacked) {  // the band between this series and the one below it
+      const below = pts.map(([t], i) => [t, s.base[s.points.length - pts.length + i]]).reverse();
+      const area = svg("path", { class: "band", d: d + below.map((p) => line(p, 1)).join("") + "Z" });
+      area.style.fill = "var(" + s.color + ")";
+      box.append(area);
+    }
     const path = svg("path", { class: "series", d });
     path.style.stroke = "var(" + s.color + ")";  // CSSOM: follows the colour scheme live
     box.append(path);
@@ -203,13 +214,26 @@ function chart(title, series, now, windowS, opts) {
   const legend = series.length > 1 ? h("div", { class: "legend" }, series.map((s) => {
     const swatch = h("i", {});
     swatch.style.background = "var(" + s.color + ")";
-    const latest = s.points.length ? s.points[s.points.length - 1][1] : 0;
+    const own = s.own || s.points;
+    const latest = own.length ? own[own.length - 1][1] : 0;
     return h("span", {}, swatch, s.name + " " + num(latest));
   })) : null;
   return h("div", { class: "panel chart", "data-chart": (opts && opts.id) || title },
     h("div", { class: "title" }, h("span", {}, title),
       h("span", { class: "now" }, last === null ? "" : num(last, (opts && opts.digits)))),
     box, legend);
+}
+
+// Each series on top of the ones before it: points are running totals, `base` the
+// total below, `own` the series' own values (for the legend).
+function stack(series) {
+  let base = series.length ? series[0].points.map(() => 0) : [];
+  return series.map((s) => {
+    const points = s.points.map(([t, v], i) => [t, base[i] + v]);
+    const out = { ...s, points, base, own: s.points };
+    base = points.map(([, v]) => v);
+    return out;
+  });
 }
 
 function niceCeil(v) {
@@ -239,7 +263,8 @@ function charts(history, now, windowS) {
       { id: "rps" }),
     chart("In flight", [{ name: "in flight", color: "--c2", points: pick("inflight") }], now,
       windowS, { id: "inflight" }),
-    chart("Replicas by state", stateSeries, now, windowS, { id: "states" }),
+    chart("Replicas by state", stateSeries, now, windowS,
+      { id: "states", stacked: true, integer: true }),
   ];
   const ttft = pick("ttft");
   if (ttft.length) out.push(chart("TTFT (s, mean of replicas)", [{ name: "ttft", color: "--c5",
