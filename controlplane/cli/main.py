@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from controlplane.cli.dashboard import dashboard
 from controlplane.cli.launch import controller, run
 from controlplane.cli.logs import logs
 from controlplane.cli.replicas import replica
@@ -24,7 +25,8 @@ def cli() -> None:
     """
 
 
-for _command in (run, up, update, down, status, replica, snapshot, logs, controller):
+for _command in (run, up, update, down, status, replica, snapshot, logs, controller,
+                 dashboard):
     cli.add_command(_command)
 cli.add_command(proxy_command, name="proxy")
 

@@ -287,6 +287,12 @@ class Store:
         """
         return await telemetry.read_rps(self._redis, self.keys, name)
 
+    async def read_rps_seconds(self, name: str, seconds: Iterable[int]) -> dict[int, int]:
+        """The request counts of these unix seconds only (absent or malformed ones are
+        left out): one HMGET, for readers that want the last few seconds of an hour-long
+        hash (the dashboard)."""
+        return await telemetry.read_rps_seconds(self._redis, self.keys, name, list(seconds))
+
     async def trim_rps(self, name: str, before: int) -> int:
         """Delete request counts of seconds earlier than `before`, and fields that are not
         an integer second (logged); returns how many were deleted."""

@@ -85,6 +85,22 @@ async def read_rps(redis: aioredis.Redis, keys: Keys, name: str) -> dict[int, in
     return dict(sorted(counts.items()))
 
 
+async def read_rps_seconds(
+    redis: aioredis.Redis, keys: Keys, name: str, seconds: list[int]
+) -> dict[int, int]:
+    """`Store.read_rps_seconds`: one HMGET, whatever the size of the hash."""
+    if not seconds:
+        return {}
+    with redis_errors():
+        raw = await redis.hmget(keys.rps(name), [str(s) for s in seconds])
+    counts = {}
+    for second, count in zip(seconds, raw, strict=True):
+        parsed = None if count is None else parse_int(count)
+        if parsed is not None:
+            counts[second] = parsed
+    return counts
+
+
 async def trim_rps(redis: aioredis.Redis, keys: Keys, name: str, before: int) -> int:
     """`Store.trim_rps`."""
     key = keys.rps(name)

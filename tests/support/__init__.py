@@ -27,6 +27,8 @@ Builders and drivers:
 - `rawhttp`: byte-exact HTTP/1.1 client connections.
 - `traffic`: open-loop HTTP load with every request timed.
 - `faultproxy`: a TCP proxy in front of Redis that drops chosen commands.
+- `browser`: a headless Chromium driven over the DevTools protocol (pages, JS,
+  console errors, screenshots); skips when no chromium is installed.
 
 Named fakes, for what cannot run here:
 - `skyserve_stub`: a stub Sky Serve controller (the load-balancer sync protocol).
