@@ -18,6 +18,9 @@ API (everything else here is private):
   ``cache_dir`` (default ``$SLUICE_TEST_CACHE``, else ``$XDG_CACHE_HOME/sluice-tests``,
   else ``~/.cache/sluice-tests``), named by ``MODEL_VERSION``; a temp file plus rename,
   so parallel pytest processes never read a half-written model.
+- ``server_argv(model, **flags)`` / ``run_command(model, **flags)``: its argv (no
+  port), and a service spec's ``run:`` line serving on ``$PORT`` (its ``envs``:
+  ``launch_env()``), for replicas a controller launches.
 - ``LlamaServer``: one running server: ``url``, ``port``, ``pid``, ``stop()``,
   ``slots()`` (its ``/slots``: per slot ``is_processing``), ``metrics()`` (its
   Prometheus ``/metrics`` as ``{name: value}``), ``output()`` (its log).
@@ -47,6 +50,7 @@ import contextlib
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -235,6 +239,24 @@ def timings(body: dict[str, Any]) -> Timings:
     return Timings(prompt_n=int(t["prompt_n"]), cache_n=int(t.get("cache_n", 0)))
 
 
+def server_argv(
+    model: Path, *, slots: int = 2, threads: int = 1, cache_ram: int = 0, ctx: int = 4096,
+    extra: Sequence[str] = (),
+) -> list[str]:  # fmt: skip
+    """llama-server's argv without ``--port``: 127.0.0.1, the flags, metrics on."""
+    return [
+        str(binary()), "-m", str(model), "--host", HOST, "-np", str(slots),
+        "-t", str(threads), "--cache-ram", str(cache_ram), "-c", str(ctx), "--metrics",
+        "--no-webui", "-a", MODEL_ALIAS, *extra,
+    ]  # fmt: skip
+
+
+def run_command(model: Path, **flags: Any) -> str:
+    """A service spec's ``run:`` for a llama-server replica on ``$PORT`` (flags as for
+    `server_argv`); the spec's ``envs`` need ``launch_env()``."""
+    return f'exec {shlex.join(server_argv(model, **flags))} --port "$PORT"'
+
+
 class LlamaServer(Process):
     """One llama-server process on a free 127.0.0.1 port."""
 
@@ -244,11 +266,9 @@ class LlamaServer(Process):
     ) -> None:  # fmt: skip
         self.port = port
         self.url = f"http://{HOST}:{port}"
-        argv = [
-            str(binary()), "-m", str(model), "--host", HOST, "--port", str(port),
-            "-np", str(slots), "-t", str(threads), "--cache-ram", str(cache_ram),
-            "-c", str(ctx), "--metrics", "--no-webui", "-a", MODEL_ALIAS, *extra,
-        ]  # fmt: skip
+        flags = server_argv(model, slots=slots, threads=threads, cache_ram=cache_ram, ctx=ctx,
+                            extra=extra)  # fmt: skip
+        argv = [*flags, "--port", str(port)]
         super().__init__(argv, log_dir / f"llama-server-{port}.log", launch_env())
 
     def slots(self) -> list[dict[str, Any]]:
