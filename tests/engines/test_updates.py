@@ -149,6 +149,7 @@ async def llm(
         await controllers.aclose()
 
 
+@pytest.mark.slow
 async def test_a_count_only_update_under_real_streams_loses_nothing_and_replaces_nothing(
     llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
     tmp_path: Path,
@@ -173,6 +174,7 @@ async def test_a_count_only_update_under_real_streams_loses_nothing_and_replaces
     assert len(streams.done) >= 6
 
 
+@pytest.mark.slow
 async def test_a_rolling_update_under_real_streams_loses_nothing(
     llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
     tmp_path: Path,
