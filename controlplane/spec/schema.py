@@ -5,19 +5,27 @@ Top-level task keys, decided one by one:
 - used by the local backend: `name`, `run`, `setup`, `envs`, `secrets`
   (both str -> str; numbers are stringified), `workdir` (a local path);
 - kept for the SkyPilot backend, validated loosely: `resources`, `num_nodes`
-  (must be 1, as in Sky Serve), `file_mounts`, `config`, `volumes`;
+  (>= 1; more than one is for the SkyPilot backend only, see `backends.fit`),
+  `file_mounts`, `config`, `volumes`;
 - rejected with a reason: see `compat.UNSUPPORTED` (cluster pools, SkyPilot-internal
   keys, experimental ones Sky Serve ignores); anything else is an unknown field.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from controlplane.spec.errors import SpecError, translate
-from controlplane.spec.service import EnvName, PrefixRouting, ReadinessProbe, ServiceSection
+from controlplane.spec.service import (
+    EnvName,
+    NonNegFloat,
+    PrefixRouting,
+    ReadinessProbe,
+    ServiceSection,
+)
 from proxy.wire.snapshot import PrefixOptions
 
 PortSpec = int | str | list[int | str]
@@ -30,7 +38,9 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     verbatim for the SkyPilot backend.
     """
 
-    accelerators: str | dict[str, int | float] | list[str] | None = None
+    # "L4:1", {L4: 1}, {L4:1, A10G:1} (YAML reads these as keys with null counts, as
+    # SkyPilot's schema allows), or a list of names: SkyPilot's choices.
+    accelerators: str | dict[str, NonNegFloat | None] | list[str] | None = None
     use_spot: bool = False
     ports: PortSpec | None = None
     cloud: str | None = None
@@ -68,17 +78,14 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     secrets: dict[EnvName, str] = {}
     workdir: str | None = None
     resources: Resources = msgspec.field(default_factory=Resources)
-    num_nodes: int = 1
+    # Nodes per replica (SkyPilot runs a replica as a cluster and its head node
+    # serves); the local backend runs one process per replica (`backends.fit`).
+    num_nodes: Annotated[int, Meta(ge=1)] = 1
     file_mounts: dict[str, Any] = {}
     config: dict[str, Any] = {}
     volumes: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if self.num_nodes != 1:
-            raise ValueError(
-                f"num_nodes: a service replica runs on one node (got {self.num_nodes}); "
-                "multi-node replicas are not supported, as in Sky Serve"
-            )
         scaling = self.service.scaling
         if scaling.uses_ondemand_fallback and not self.resources.use_spot:
             knob = (

@@ -307,10 +307,10 @@ INVALID = [
         id="accelerator-count-not-number",
     ),
     pytest.param(
-        spec_with(num_nodes=2),
+        spec_with(num_nodes=0),
         "$.num_nodes",
-        "multi-node replicas are not supported",
-        id="multi-node",
+        "Expected `int` >= 1",
+        id="no-nodes",
     ),
     pytest.param(
         spec_with(envs={"MODEL": None}),
