@@ -37,7 +37,8 @@ def check_backend(spec: ServiceSpec, backend: str, previous: ServiceSpec | None 
         if not spec.run:
             raise Unfit(
                 "run: the local backend runs a replica's `run` command and this spec has "
-                "none; add one (it must serve on $PORT or on service.ports)"
+                "none; add one (serving on $PORT or on service.ports), or use --backend "
+                "skypilot (a cluster's image may serve by itself)"
             )
         if spec.num_nodes > 1:
             raise Unfit(

@@ -64,6 +64,23 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def __post_init__(self) -> None:
         port_ranges(self.ports)  # raises ValueError("ports: ...")
 
+    def check_for_service(self) -> None:
+        """Sky Serve's rules on a service's resources (serve_utils.validate_service_task):
+        every choice spot or none, and no job_recovery (preempted replicas are replaced)."""
+        choices = [*(self.any_of or ()), *(self.ordered or ())] or [{}]
+        if self.job_recovery is not None or any("job_recovery" in c for c in choices):
+            raise ValueError(
+                "resources.job_recovery: not for services; the controller replaces a "
+                "preempted or failed replica itself"
+            )
+        spot = {bool(c.get("use_spot", self.use_spot)) for c in choices}
+        if len(spot) > 1:
+            raise ValueError(
+                "resources.any_of: every choice must use spot or none; to mix spot and "
+                "on-demand replicas use replica_policy.dynamic_ondemand_fallback or "
+                "base_ondemand_fallback_replicas"
+            )
+
     @property
     def port_count(self) -> int:
         return sum(hi - lo + 1 for lo, hi in port_ranges(self.ports))
@@ -86,6 +103,7 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     volumes: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
+        self.resources.check_for_service()
         scaling = self.service.scaling
         if scaling.uses_ondemand_fallback and not self.resources.use_spot:
             knob = (
