@@ -264,9 +264,10 @@ def overrides(
 
 
 YES = click.option("-y", "--yes", is_flag=True, help="Skip the confirmation prompt.")
-DRY_RUN = click.option("--dry-run", is_flag=True, help="Validate FILE and print the "
-                       "normalised spec (secrets redacted) and what would run; touches no "
-                       "Redis, starts nothing.")  # fmt: skip
+# Eager, so that --backend's callback knows it: a dry run needs no SkyPilot installed.
+DRY_RUN = click.option("--dry-run", is_flag=True, is_eager=True,
+                       help="Validate FILE and print the normalised spec (secrets redacted) "
+                       "and what would run; touches no Redis, starts nothing.")  # fmt: skip
 #: --backend of `up` and `update`: what the spec is checked against (the controller's).
 BACKEND = click.option(
     "--backend", type=click.Choice(["local", "skypilot"]), default=None,
@@ -314,7 +315,7 @@ def check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _check_backend(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """`--backend skypilot` needs SkyPilot importable here: say so before anything starts."""
-    if value == "skypilot":
+    if value == "skypilot" and not ctx.params.get("dry_run"):
         from controlplane.backends.skypilot_sdk import SkyPilotMissing, load_sky
 
         try:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import msgspec
+
 from controlplane import ops, processes
 from controlplane.backends.fit import check_backend
 from controlplane.backends.fixedport import fixed_port
@@ -176,6 +178,17 @@ class ServiceRun:
             f"state in {config.state_dir}; Ctrl-C to stop",
         ]
 
+    def _with_logs(self, view: ops.ServiceView) -> ops.ServiceView:
+        """`view` with the log path of local replicas whose handle is gone (the controller
+        empties the handle of a replica it terminated; its log stays)."""
+        replicas = []
+        for r in view.replicas:
+            path = self._layout.replica_log(view.name, r.id)
+            if r.log is None and r.backend == "local" and path.is_file():
+                r = msgspec.structs.replace(r, log=str(path))
+            replicas.append(r)
+        return msgspec.structs.replace(view, replicas=replicas)
+
     def _never_ready(self, view: ops.ServiceView) -> str:
         why = view.launch_blocked or f"service {view.name} FAILED"
         logs = [r.log for r in view.replicas if r.log] or [f"sluice logs {view.name} ID"]
@@ -211,6 +224,7 @@ class ServiceRun:
             else:
                 unreachable = False
                 self._remember_handles(await store.replicas(config.name))
+                view = self._with_logs(view)
                 now = time.time()
                 if view.status == ServiceStatus.SHUTTING_DOWN:
                     self._view.message(f"sluice: service {config.name} is being taken down")
