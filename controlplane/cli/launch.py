@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from controlplane.backends.fit import check_backend
+from controlplane.backends.fit import check_backend, check_run_command
 from controlplane.cli import dryrun
 from controlplane.cli.common import (
     DRY_RUN,
@@ -102,6 +102,7 @@ def run(
     service, naming = service_name(name, spec, file)
     with errors():
         check_backend(spec, backend)
+        check_run_command(spec, backend)
     if dry_run:
         where = "a private redis-server" if redis_url is None else "no redis-server (--redis)"
         dryrun.show(service, naming, spec, backend, [

@@ -183,7 +183,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     record = state.record
     replicas = list(state.replicas.values())
     last_failure, reasons = await _failures(store, name)
-    autoscaling, target = await _policy(store, record)
+    autoscaling, target, no_run = await _policy(store, record)
     decision = await store.read_autoscaler(name)
     if decision is not None:
         target = decision.target
@@ -202,7 +202,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         generation=state.generation,
         replicas=[_replica_view(r, reasons.get(r.id)) for r in replicas],
         last_failure=last_failure,
-        launch_blocked=_launch_blocked(record, replicas, reasons),
+        launch_blocked=_launch_blocked(record, replicas, reasons) or no_run,
         autoscaling=autoscaling,
         target=target,
         autoscaler=decision,
@@ -248,13 +248,21 @@ def _launch_blocked(
     return why
 
 
-async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int | None]:
-    """The latest version's replica policy in words, and its fixed target."""
+async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int | None, str | None]:
+    """The latest version's replica policy in words, its fixed target, and why nothing is
+    launched when its spec has no `run` command (replicas come from `replica add`)."""
     spec_raw = await store.spec(record.name, record.version)
     if spec_raw is None:
-        return None, None
-    policy = ServiceSpec.from_json(spec_raw).service.scaling
-    return Autoscaler(policy, now=0.0).describe(), policy.min_replicas
+        return None, None, None
+    spec = ServiceSpec.from_json(spec_raw)
+    policy = spec.service.scaling
+    no_run = None
+    if not spec.run and spec.max_replicas > 0:
+        no_run = (
+            f"version {record.version} has no `run` command: the controller launches no "
+            f"replica; register them with `sluice replica add {record.name} URL`"
+        )
+    return Autoscaler(policy, now=0.0).describe(), policy.min_replicas, no_run
 
 
 def _replica_view(r: ReplicaRecord, reason: str | None = None) -> ReplicaView:

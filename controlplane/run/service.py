@@ -16,7 +16,7 @@ from typing import TextIO
 import msgspec
 
 from controlplane import ops, processes
-from controlplane.backends.fit import check_backend
+from controlplane.backends.fit import check_backend, check_run_command
 from controlplane.backends.fixedport import fixed_port
 from controlplane.backends.localproc import recorded_handles, stop_groups
 from controlplane.display import LiveView
@@ -77,6 +77,7 @@ class ServiceRun:
         # several replicas (or the proxy) would need.
         tls_files(config.spec)
         check_backend(config.spec, config.backend)
+        check_run_command(config.spec, config.backend)
         replica_port = fixed_port(config.spec)
         if replica_port is not None and replica_port == config.port:
             raise RunError(

@@ -11,7 +11,8 @@ child process): every step that used to fail silently or with the wrong words.
   per state change;
 - `sluice run` of a spec without `run:` exits 1 at once, saying so;
 - `sluice status` with no run on the state dir says that, not a Redis error;
-- `sluice up` beside a `sluice run` says how to reach the new service;
+- `sluice up` beside a `sluice run` says how to reach the new service; for one without
+  `run:` (replicas from `sluice replica add`) `sluice status` says why none launches;
 - the run output shows the listen address, the admin port and where the logs are.
 """
 
@@ -232,5 +233,21 @@ def test_run_shows_listen_admin_and_logs_and_up_beside_it_says_how_to_reach(
                "echo only" in up.stdout
         assert "sluice proxy --service other" in up.stdout
         assert info["redis_url"] in up.stdout and "password" not in info["redis_url"]
+
+        # A spec without `run:` registered beside it: the controller says why it gives up.
+        norun = tmp_path / "norun.yaml"
+        norun.write_text("service:\n  readiness_probe: /\n  replicas: 1\n")
+        assert cli("up", str(norun), "--state-dir", str(state),
+                   env={"SLUICE_REDIS_URL": ""}).returncode == 0  # fmt: skip
+
+        def status() -> str:
+            shown = cli("status", "norun", "--state-dir", str(state),
+                        env={"SLUICE_REDIS_URL": ""})  # fmt: skip
+            assert shown.returncode == 0, shown.stderr
+            return shown.stdout if "NO_REPLICA" in shown.stdout else ""
+
+        text = until_sync(status, timeout=60, what="norun NO_REPLICA", interval=0.2)
+        assert "norun: version 1 has no `run` command: the controller launches no replica; " \
+               "register them with `sluice replica add norun URL`" in text, text
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0

@@ -138,7 +138,7 @@ DELIBERATE: dict[str, str] = {
 }
 
 # What a local replica cannot be, as the local backend's error names it.
-LOCAL_LIMITS = ("num_nodes:", "run:", "service.ports:")
+LOCAL_LIMITS = ("num_nodes:", "service.ports:")
 
 
 @cache
