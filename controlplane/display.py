@@ -248,6 +248,8 @@ class LiveView:
             rows = [_replica_row(view.name, r, now)[1:] for r in view.replicas]
             headers = ["ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES", "STATUS"]
             text += "\n" + table(headers, rows)
+            text += "".join(f"\n{replica_change(r)}" for r in view.replicas
+                            if r.status in _EXPLAINED)  # fmt: skip
         lines = text.split("\n")
         self.clear()
         self._out.write("\n".join(lines) + "\n")

@@ -333,3 +333,8 @@ def status(
         click.echo(msgspec.json.format(msgspec.json.encode(views), indent=2).decode())
     else:
         click.echo(status_text(views, time.time(), verbose=verbose))
+        run = None if redis_url else read_run_info(resolve_state_dir(state_dir))
+        if run is not None and run.listen:
+            click.echo(f"\n`sluice run` (pid {run.pid}) of {run.service}: its proxy listens "
+                       f"on {run.listen} (endpoint {run.endpoint}), admin {run.admin} "
+                       f"(/metrics, /snapshot); backend {run.backend}")  # fmt: skip

@@ -225,6 +225,10 @@ def test_run_shows_listen_admin_and_logs_and_up_beside_it_says_how_to_reach(
         assert http_get(HOST, admin_port, "/healthz")[0] == 200
         assert http_get(HOST, port, "/")[0] == 200
 
+        shown = cli("status", "--state-dir", str(state), env={"SLUICE_REDIS_URL": ""})
+        assert f"its proxy listens on 127.0.0.1:{port} (endpoint http://127.0.0.1:{port}), " \
+               f"admin {admin} (/metrics, /snapshot); backend local" in shown.stdout
+
         other = tmp_path / "other.yaml"
         other.write_text(ECHO.read_text().replace("name: echo", "name: other"))
         up = cli("up", str(other), "--state-dir", str(state), env={"SLUICE_REDIS_URL": ""})
