@@ -189,6 +189,8 @@ def test_run_of_replicas_that_exit_says_why_per_replica_and_exits_1(tmp_path: Pa
                          rf"replica {replica_id} \(v1\): process exited with code {code}",
                          controller), controller  # fmt: skip
     assert "service crash-test: REPLICA_INIT -> FAILED" in controller
+    assert "service crash-test: autoscaler: target 2 replicas (fixed)" in controller
+    assert "service crash-test: terminate replica=1 version=1" in controller
 
 
 def test_run_of_a_spec_without_run_fails_at_once(tmp_path: Path) -> None:
