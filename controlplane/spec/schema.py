@@ -120,6 +120,13 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 "service.replica_policy.spot_placer: needs spot replicas; "
                 "set resources.use_spot: true"
             )
+        port = self.service.ports
+        opened = port_ranges(self.resources.ports)
+        if port is not None and opened and not any(lo <= port <= hi for lo, hi in opened):
+            raise ValueError(
+                f"service.ports: the replica's port {port} is not among resources.ports; "
+                "add it there (or leave resources.ports out)"
+            )
         if self.service.ports is None and self.resources.port_count > 1:
             raise ValueError(
                 "resources.ports: a replica serves on one port; with several ports "

@@ -126,6 +126,42 @@ SYNTHETIC: dict[str, str] = {
     "stream-timeout": "service:\n  readiness_probe: /\n  load_balancer:\n"
     "    stream_timeout_seconds: 30\n" + _HTTP,
     "pool": "pool:\n  workers: 2\n" + _HTTP,
+    "probe-timeout-zero": "service:\n  readiness_probe:\n    path: /\n    timeout_seconds: 0\n"
+    + _HTTP,
+    "probe-path-relative": "service:\n  readiness_probe: health\n" + _HTTP,
+    "probe-post-data-string": "service:\n  readiness_probe:\n    path: /\n"
+    "    post_data: '{\"model\": \"x\"}'\n" + _HTTP,
+    "probe-header-number": "service:\n  readiness_probe:\n    path: /\n    headers: {X-N: 1}\n"
+    + _HTTP,
+    "qps-zero": "service:\n  readiness_probe: /\n  replica_policy:\n    min_replicas: 1\n"
+    "    max_replicas: 2\n    target_qps_per_replica: 0\n" + _HTTP,
+    "replicas-zero": "service:\n  readiness_probe: /\n  replicas: 0\n" + _HTTP,
+    "replicas-negative": "service:\n  readiness_probe: /\n  replicas: -1\n" + _HTTP,
+    "min-zero-no-max": "service:\n  readiness_probe: /\n  replica_policy:\n"
+    "    min_replicas: 0\n" + _HTTP,
+    "overprovision": "service:\n  readiness_probe: /\n  replica_policy:\n    min_replicas: 1\n"
+    "    max_replicas: 3\n    target_qps_per_replica: 1\n    num_overprovision: 1\n" + _HTTP,
+    "upscale-negative": "service:\n  readiness_probe: /\n  replica_policy:\n"
+    "    min_replicas: 1\n    max_replicas: 3\n    target_qps_per_replica: 1\n"
+    "    upscale_delay_seconds: -5\n" + _HTTP,
+    "spot-placer-without-spot": "service:\n  readiness_probe: /\n  replica_policy:\n"
+    "    min_replicas: 1\n    spot_placer: dynamic_fallback\n" + _HTTP,
+    "base-fallback-spot": "service:\n  readiness_probe: /\n  replica_policy:\n"
+    "    min_replicas: 2\n    base_ondemand_fallback_replicas: 1\nresources:\n  ports: 8080\n"
+    "  use_spot: true\nrun: serve\n",
+    "port-as-string": "service:\n  readiness_probe: /\nresources:\n  ports: '8080'\nrun: serve\n",
+    "service-port-string": "service:\n  readiness_probe: /\n  ports: '8081'\nresources:\n"
+    "  ports: [8080, 8081]\nrun: serve\n",
+    "service-port-not-opened": "service:\n  readiness_probe: /\n  ports: 9000\nresources:\n"
+    "  ports: 8080\nrun: serve\n",
+    "service-port-only": "service:\n  readiness_probe: /\n  ports: 8080\nrun: serve\n",
+    "port-zero": "service:\n  readiness_probe: /\nresources:\n  ports: 0\nrun: serve\n",
+    "tls-no-certfile": "service:\n  readiness_probe: /\n  tls:\n    keyfile: k.pem\n" + _HTTP,
+    "env-bool": "envs:\n  DEBUG: true\nservice:\n  readiness_probe: /\n" + _HTTP,
+    "env-bad-name": "envs:\n  1BAD: x\nservice:\n  readiness_probe: /\n" + _HTTP,
+    "service-not-mapping": "service: yes\n" + _HTTP,
+    "stream-timeout-zero": "service:\n  readiness_probe: /\n  load_balancer:\n"
+    "    stream_timeout_seconds: 0\n" + _HTTP,
 }
 
 # Where sluice differs from SkyPilot on purpose: label -> why.
@@ -135,6 +171,14 @@ DELIBERATE: dict[str, str] = {
     "llm_llama-3_1_llama-3_1.yaml": "a secret without a value (as above)",
     "probe-negative-delay": "a negative initial_delay_seconds: SkyPilot's schema has no "
     "minimum; sluice refuses a delay below 0 (it means nothing)",
+    "upscale-negative": "a negative delay (as above)",
+    "replicas-negative": "replicas: -1: SkyPilot's schema has no minimum; sluice refuses it",
+    "probe-timeout-zero": "a probe timeout of 0 fails every probe; sluice refuses it",
+    "stream-timeout-zero": "a stream timeout of 0 cuts every stream; sluice refuses it",
+    "qps-zero": "target_qps_per_replica: 0 makes the autoscaler divide by zero",
+    "env-bool": "an env `true`: SkyPilot passes Python's 'True'; sluice asks to quote it",
+    "service-port-only": "service.ports without resources.ports: SkyPilot asks for both; "
+    "sluice opens the service port itself (the skypilot backend adds it to the task)",
 }
 
 # What a local replica cannot be, as the local backend's error names it.
