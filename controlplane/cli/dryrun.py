@@ -40,6 +40,31 @@ def _redact(value: Any, secrets: list[str]) -> Any:
     return value
 
 
+def _shown(value: Any) -> Any:
+    """Without the unset fields (None, {}): what is left is what the spec says. User maps
+    keep theirs (`accelerators: {L4:1: null}` is a name without a count)."""
+    if isinstance(value, dict):
+        return {k: v if k in _AS_GIVEN else _shown(v) for k, v in value.items()
+                if v is not None and v != {}}  # fmt: skip
+    return value
+
+
+_AS_GIVEN = frozenset({"accelerators", "envs", "secrets", "headers", "post_data", "any_of",
+                       "ordered", "file_mounts", "config", "volumes", "labels"})  # fmt: skip
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (run, setup) as YAML literal blocks, as a user writes them."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def replicas_text(spec: ServiceSpec) -> str:
     scaling = spec.service.scaling
     if spec.autoscaling:
@@ -59,12 +84,12 @@ def replica_text(spec: ServiceSpec, backend: str) -> str:
              f" (initial delay {probe.initial_delay_seconds:g}s)")  # fmt: skip
     if backend == "skypilot":
         nodes = f", {spec.num_nodes} nodes" if spec.num_nodes > 1 else ""
-        return f"each replica a SkyPilot cluster{nodes} serving on port {spec.replica_port}; " \
-               f"{check}"  # fmt: skip
+        return f"run each replica as a SkyPilot cluster{nodes} serving on port " \
+               f"{spec.replica_port}; {check}"  # fmt: skip
     port = fixed_port(spec)
     where = f"on the fixed port {port}" if port is not None else "on a free port in $PORT"
     setup = "; setup once per version" if spec.setup else ""
-    return f"each replica a local process (bash -c run) {where}{setup}; {check}"
+    return f"run each replica as a local process (bash -c run) {where}{setup}; {check}"
 
 
 def show(name: str, naming: str, spec: ServiceSpec, backend: str, doing: list[str]) -> None:
@@ -74,6 +99,7 @@ def show(name: str, naming: str, spec: ServiceSpec, backend: str, doing: list[st
     for line in doing:
         click.echo(f"would {line}")
     click.echo("spec (normalised, secrets redacted):")
-    text = yaml.safe_dump(normalised(spec), sort_keys=False, default_flow_style=False)
+    text = yaml.dump(_shown(normalised(spec)), Dumper=_Dumper, sort_keys=False,
+                     default_flow_style=False, allow_unicode=True)  # fmt: skip
     click.echo("  " + text.rstrip("\n").replace("\n", "\n  "))
     click.echo("dry run: valid; nothing was started and Redis was not contacted")

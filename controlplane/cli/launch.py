@@ -107,7 +107,8 @@ def run(
         where = "a private redis-server" if redis_url is None else "no redis-server (--redis)"
         dryrun.show(service, naming, spec, backend, [
             f"start {where}, the controller, and the proxy listening on {host}:{port} "
-            f"(admin on 127.0.0.1:{admin_port or 'a free port'}), logs under "
+            f"(admin on {f'127.0.0.1:{admin_port}' if admin_port else 'a free 127.0.0.1 port'}"
+            "), logs under "
             f"{resolve_state_dir(state_dir)}",
             f"register {service} and launch {dryrun.replicas_text(spec)}",
             dryrun.replica_text(spec, backend),

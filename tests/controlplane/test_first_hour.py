@@ -97,7 +97,7 @@ def test_dry_run_validates_without_redis_and_redacts_secrets(
     assert "API_KEY: <redacted>" in out
     assert "Authorization: Bearer <redacted>" in out  # substituted into the probe, too
     assert "HF_TOKEN: hf_public" in out and "L4:1: null" in out
-    assert "backend: skypilot" in out and "each replica a SkyPilot cluster" in out
+    assert "backend: skypilot" in out and "run each replica as a SkyPilot cluster" in out
     assert out.rstrip().endswith("Redis was not contacted")
     if command != "update":
         assert "service name: lb-autoscale-wd (from the file name 'lb_autoscale_wd.yaml'" in out
