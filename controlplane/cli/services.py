@@ -95,12 +95,15 @@ def up(
                f"Watch: sluice status {record.name}")  # fmt: skip
     if run is not None and run.service != record.name and endpoint is None:
         # The proxy of `sluice run` serves its own service only.
+        scheme, sep, rest = run.redis_url.partition("://")
+        url = (f"{scheme}://:$(cat {run.redis_password_file})@{rest}"
+               if run.redis_password_file and sep else run.redis_url)  # fmt: skip
         click.echo(
             f"{record.name} has no proxy: the one of the `sluice run` on this state dir "
             f"serves {run.service} only. Reach {record.name}'s replicas at the URLs of "
-            f"`sluice status {record.name}`, or run a proxy for it: sluice proxy --service "
-            f"{record.name} --port PORT --redis URL (the run's Redis: {run.redis_url}, its "
-            f"password in {run.redis_password_file or 'none'})"
+            f"`sluice status {record.name}`, or run a proxy for it (the run's Redis, its "
+            f"password read from its file): SLUICE_REDIS_URL=\"{url}\" sluice proxy "
+            f"--service {record.name} --port PORT"
         )
 
 

@@ -205,6 +205,13 @@ def test_run_of_a_spec_without_run_fails_at_once(tmp_path: Path) -> None:
 # -- sluice run: what it says, and `up` beside it ---------------------------------------------
 
 
+def _answers(port: int) -> bool:
+    try:
+        return http_get(HOST, port, "/health")[0] == 200
+    except OSError:
+        return False
+
+
 def test_run_shows_listen_admin_and_logs_and_up_beside_it_says_how_to_reach(
     tmp_path: Path,
 ) -> None:
@@ -237,8 +244,26 @@ def test_run_shows_listen_admin_and_logs_and_up_beside_it_says_how_to_reach(
         assert up.returncode == 0, up.stderr
         assert "other has no proxy: the one of the `sluice run` on this state dir serves " \
                "echo only" in up.stdout
-        assert "sluice proxy --service other" in up.stdout
-        assert info["redis_url"] in up.stdout and "password" not in info["redis_url"]
+        hint = up.stdout.split("SLUICE_REDIS_URL=", 1)[1].strip()
+        assert hint.endswith("sluice proxy --service other --port PORT"), hint
+        password = Path(info["redis_password_file"]).read_text()
+        assert password not in up.stdout
+        # The hint works as printed: a proxy for `other` on the run's Redis serves it.
+        other_port = free_port()
+        command = hint.replace("--port PORT", f"--port {other_port} --host {HOST} "
+                               f"--admin-port {free_port()}")
+        proxy = subprocess.Popen(["bash", "-c", f"SLUICE_REDIS_URL={command}"], cwd=REPO,
+                                 env={**os.environ, "PYTHONPATH": str(REPO),
+                                      "PATH": f"{Path(sys.executable).parent}:"
+                                              f"{os.environ['PATH']}"},
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)  # fmt: skip
+        try:
+            until_sync(lambda: _answers(other_port), timeout=60, what="other's proxy",
+                       interval=0.2)  # fmt: skip
+        finally:
+            os.killpg(proxy.pid, signal.SIGTERM)
+            proxy.wait(20)
 
         # A spec without `run:` registered beside it: the controller says why it gives up.
         norun = tmp_path / "norun.yaml"
