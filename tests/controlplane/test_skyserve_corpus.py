@@ -23,13 +23,14 @@ import os
 import subprocess
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from controlplane.backends.base import BackendError
 from controlplane.backends.fit import check_backend
-from controlplane.spec import SpecError, load_spec
+from controlplane.spec import ServiceSpec, SpecError, load_spec
 from tests.support.processes import REPO
 
 HERE = Path(__file__).parent
@@ -211,7 +212,7 @@ def _cases() -> dict[str, dict[str, object]]:
 
 
 @cache
-def _sky_verdicts(tmp: Path) -> dict[str, str | None]:
+def _sky_judgement(tmp: Path) -> dict[str, Any]:
     out = tmp / "verdicts.json"
     proc = subprocess.run(
         [str(_python()), str(JUDGE), str(out)],
@@ -222,8 +223,8 @@ def _sky_verdicts(tmp: Path) -> dict[str, str | None]:
         cwd=tmp,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    verdicts: dict[str, str | None] = json.loads(out.read_text())
-    return verdicts
+    judgement: dict[str, Any] = json.loads(out.read_text())
+    return judgement
 
 
 def _sluice_verdict(case: dict[str, object], backend: str) -> str | None:
@@ -238,8 +239,64 @@ def _sluice_verdict(case: dict[str, object], backend: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
-    return _sky_verdicts(tmp_path_factory.mktemp("sky"))
+def judgement(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _sky_judgement(tmp_path_factory.mktemp("sky"))
+
+
+@pytest.fixture(scope="module")
+def verdicts(judgement: dict[str, Any]) -> dict[str, str | None]:
+    found: dict[str, str | None] = judgement["verdicts"]
+    return found
+
+
+def _meaning(spec: ServiceSpec) -> dict[str, Any]:
+    """What sluice made of a spec, in the judge's terms (skyserve_judge._meaning)."""
+    scaling, probe = spec.service.scaling, spec.probe
+    post = probe.post_data
+    choices = [*(spec.resources.any_of or ()), *(spec.resources.ordered or ())] or [{}]
+    return {
+        "min_replicas": spec.min_replicas,
+        "max_replicas": spec.max_replicas,
+        "num_overprovision": scaling.num_overprovision,
+        "target_qps_per_replica": scaling.target_qps_per_replica,
+        "upscale_delay_seconds": scaling.upscale_delay_seconds,
+        "downscale_delay_seconds": scaling.downscale_delay_seconds,
+        "base_ondemand_fallback_replicas": scaling.base_ondemand_fallback_replicas,
+        "dynamic_ondemand_fallback": scaling.dynamic_ondemand_fallback,
+        "readiness_path": probe.path,
+        "initial_delay_seconds": probe.initial_delay_seconds,
+        "readiness_timeout_seconds": probe.timeout_seconds,
+        "endpoint_probe_interval_seconds": probe.endpoint_probe_interval_seconds,
+        "post_data": json.loads(post) if isinstance(post, str) else post,
+        "readiness_headers": dict(probe.headers),
+        "lb_stream_timeout_seconds": spec.service.load_balancer.stream_timeout_seconds,
+        "load_balancing_policy": spec.service.load_balancing_policy,
+        "port": spec.replica_port,
+        "num_nodes": spec.num_nodes,
+        "envs": dict(spec.envs),
+        "secrets": dict(spec.secrets),
+        "use_spot": sorted({bool(c.get("use_spot", spec.resources.use_spot)) for c in choices}),
+        "run": spec.run,
+    }
+
+
+def test_what_both_accept_means_the_same(judgement: dict[str, Any]) -> None:
+    """Each field sluice reads, for every spec both accept: the same value as SkyPilot's
+    (the replica counts, delays, probe, policy, port, nodes, envs, secrets, spot, run)."""
+    differences = []
+    for label, sky in judgement["meanings"].items():
+        case = _cases()[label]
+        envs, secrets = case["envs"], case["secrets"]
+        assert isinstance(envs, dict) and isinstance(secrets, dict)
+        try:
+            ours = _meaning(load_spec(str(case["text"]), envs=envs, secrets=secrets))
+        except SpecError:
+            continue  # a deliberate difference (test_skypilot_backend_agrees...)
+        for field, value in sky.items():
+            if json.loads(json.dumps(ours[field])) != value:
+                differences.append(f"{label}: {field}: SkyPilot {value!r}, sluice "
+                                   f"{ours[field]!r}")  # fmt: skip
+    assert not differences, "\n".join(differences)
 
 
 def test_the_corpus_holds_real_files_and_both_verdicts() -> None:
