@@ -7,7 +7,8 @@ own venv (.venv-sky, built by .ci/run; skyserve_judge.py runs `sky serve up`'s
 client-side checks). sluice judges with `load_spec` and `backends.fit.check_backend`:
 
 - for `--backend skypilot` every verdict must equal SkyPilot's, file by file, except
-  the ones in DELIBERATE (each with its reason);
+  the ones in DELIBERATE (each with its reason); and where both accept, every field
+  sluice reads must hold SkyPilot's value (`_meaning`: same meaning, not just a yes);
 - for the local backend, a spec SkyPilot accepts may be refused only for what a local
   process cannot be (LOCAL_LIMITS: the error names the field and `--backend skypilot`),
   and a spec SkyPilot refuses may be accepted only for a missing port (the local
