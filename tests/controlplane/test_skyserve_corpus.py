@@ -14,7 +14,9 @@ client-side checks). sluice judges with `load_spec` and `backends.fit.check_back
   and a spec SkyPilot refuses may be accepted only for a missing port (the local
   backend picks one).
 
-Skipped, with one line, when the SkyPilot venv is missing.
+Skipped, with one line, when the SkyPilot venv is missing. The judge runs offline: a
+YAML whose verdict needs SkyPilot's catalog (a zone like `gcp/*/asia-northeast3-a` is
+looked up on the network) is left out of the corpus (tests/skyserve/spot/spot_hedge.yaml).
 """
 
 from __future__ import annotations
