@@ -1,13 +1,17 @@
 """What each backend can run (`backends.fit`) and the SkyPilot rules the spec follows, on
 their own (test_skyserve_corpus.py checks the same against SkyPilot itself, when its venv
-is there)."""
+is there); and the line `sluice run` prints for a replica that failed."""
 
 from __future__ import annotations
+
+import io
 
 import pytest
 
 from controlplane.backends.fit import Unfit, check_backend, check_run_command
 from controlplane.backends.fixedport import PortConflict
+from controlplane.display import LiveView
+from controlplane.ops import ReplicaView, ServiceView
 from controlplane.rollout import accelerator_of
 from controlplane.spec import SpecError, load_spec
 
@@ -86,3 +90,34 @@ def test_a_value_left_empty_names_the_flags_that_fill_it(key: str, flag: str) ->
     filled = {"HF_TOKEN": "x"}
     loaded = load_spec(f"{key}:\n  HF_TOKEN:\n" + spec(""), **{key: filled})
     assert getattr(loaded, key) == filled
+
+
+# -- what `sluice run` prints of a replica (display.LiveView) ---------------------------------
+
+
+def _view(reason: str | None, status: str = "FAILED") -> ServiceView:
+    replica = ReplicaView(id=2, version=1, url="http://127.0.0.1:4100", status=status,
+                          backend="local", launched_at=None, first_ready_at=None,
+                          reason=reason, log="/s/echo/replica-2.log")  # fmt: skip
+    return ServiceView(name="echo", status="FAILED", version=1, active_versions=[],
+                       update_mode="rolling", policy="least_load", endpoint=None,
+                       created_at=0.0, uptime=0.0, ready=0, total=0, generation=1,
+                       replicas=[replica])  # fmt: skip
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_a_failed_replica_line_has_its_own_reason_and_log(tty: bool) -> None:
+    out = io.StringIO()
+    LiveView(out, tty=tty).update(_view("replica 2 (v1): process exited with code 3"), 0.0)
+    assert "replica 2 (version 1, http://127.0.0.1:4100): FAILED: process exited with code " \
+           "3 (log: /s/echo/replica-2.log)" in out.getvalue()
+    # Another replica's reason is never shown as this one's own (the prefix stays).
+    out = io.StringIO()
+    LiveView(out, tty=tty).update(_view("replica 1 (v1): process exited with code 4"), 0.0)
+    assert "FAILED: replica 1 (v1): process exited with code 4" in out.getvalue()
+
+
+def test_a_ready_replica_line_has_no_reason() -> None:
+    out = io.StringIO()
+    LiveView(out, tty=False).update(_view("replica 2 (v1): was not ready", "READY"), 0.0)
+    assert out.getvalue().rstrip().endswith("replica 2 (version 1, http://127.0.0.1:4100): READY")
