@@ -186,6 +186,24 @@ def snapshot_text(snapshot: ReadySnapshot, now: float) -> str:
     return f"{head}\n" + table(["ID", "VERSION", "URL", "ACCELERATOR", "TARGET_QPS", "SPOT"], rows)
 
 
+#: Replica states whose line says why, and where the replica's log is.
+_EXPLAINED = ("NOT_READY", "PREEMPTED", "FAILED", "FAILED_INITIAL_DELAY", "FAILED_PROBING",
+              "FAILED_PROVISION", "FAILED_CLEANUP")
+
+
+def replica_change(r: ReplicaView) -> str:
+    """`replica 2 (version 1, http://127.0.0.1:4100): FAILED: process exited with code 3
+    (log: /path/replica-2.log)`: a replica's new state, why, and its log."""
+    line = f"replica {r.id} (version {r.version}, {r.url or 'no url yet'}): {r.status}"
+    if r.status in _EXPLAINED:
+        if r.reason:
+            own = f"replica {r.id} (v{r.version}): "
+            line += f": {r.reason.removeprefix(own)}"
+        if r.log:
+            line += f" (log: {r.log})"
+    return line
+
+
 class LiveView:
     """The replicas of one service coming up, on a terminal or in a log.
 
@@ -230,6 +248,8 @@ class LiveView:
             rows = [_replica_row(view.name, r, now)[1:] for r in view.replicas]
             headers = ["ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES", "STATUS"]
             text += "\n" + table(headers, rows)
+            text += "".join(f"\n{replica_change(r)}" for r in view.replicas
+                            if r.status in _EXPLAINED)  # fmt: skip
         lines = text.split("\n")
         self.clear()
         self._out.write("\n".join(lines) + "\n")
@@ -246,10 +266,7 @@ class LiveView:
         for r in view.replicas:
             seen[r.id] = r.status
             if self._replicas.get(r.id) != r.status:
-                lines.append(
-                    f"{stamp} replica {r.id} (version {r.version}, {r.url or 'no url yet'}): "
-                    f"{r.status}"
-                )
+                lines.append(f"{stamp} {replica_change(r)}")
         for gone in sorted(set(self._replicas) - set(seen)):
             lines.append(f"{stamp} replica {gone}: removed")
         self._replicas = seen

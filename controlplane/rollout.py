@@ -178,8 +178,8 @@ def accelerator_of(spec: ServiceSpec) -> str | None:
         case str() as name:
             return name
         case dict() as table:
-            for name, count in table.items():
-                return f"{name}:{count:g}"
+            for name, count in table.items():  # {L4:1, A10G:1} reads as {"L4:1": None}
+                return name if count is None else f"{name}:{count:g}"
         case list() as names:
             return names[0] if names else None
     return None

@@ -48,9 +48,10 @@ def check_fixed_port(spec: ServiceSpec, previous: ServiceSpec | None = None) -> 
         return
     why = (
         f"service.ports: the replicas listen on the fixed port {port} (the run command "
-        "does not use $PORT), so only one local replica at a time can serve"
+        "does not use $PORT), so the local backend can serve only one replica at a time"
     )
-    fix = "listen on $PORT instead (sluice sets it for each replica)"
+    fix = ("listen on $PORT instead (sluice sets it for each replica), use --backend "
+           "skypilot (each replica its own cluster)")
     scaling = spec.service.scaling
     most = spec.max_replicas + scaling.num_overprovision + scaling.base_ondemand_fallback_replicas
     if most > 1 or scaling.dynamic_ondemand_fallback:

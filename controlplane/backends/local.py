@@ -136,8 +136,10 @@ class LocalBackend:
         self, service: str, replica_id: int, version: int, spec: ServiceSpec
     ) -> Launched:
         """Run setup (once per version), then spawn `run`. Raises LaunchFailed."""
-        if not spec.run:
-            raise LaunchFailed("the spec has no `run` command")
+        if not spec.run or spec.num_nodes > 1:  # `up` refuses these (backends.fit)
+            # The spec, not the machine: retrying cannot help, so it gives up the version.
+            raise TaskFailed("the spec has no `run` command" if not spec.run else
+                             f"num_nodes: {spec.num_nodes}; a local replica is one process")
         self._service_dir(service)
         workdir = self._workdir(spec)
         env = self._env(spec)

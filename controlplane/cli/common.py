@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
+import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
-from controlplane.records import check_service_name
+from controlplane.records import SERVICE_NAME_MAX, check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url
 from controlplane.spec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import DEFAULT_STATE_DIR, redact_url
@@ -44,18 +46,28 @@ class Target:
     url: str
     prefix: str
     ca_file: str | None = None
+    # The state dir with no live `sluice run` when `url` is only the default guess: an
+    # unreachable Redis then means "nothing is running here", said so.
+    no_run_on: Path | None = None
 
 
 # -- the error boundary ----------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def errors(url: str | None = None) -> Iterator[None]:
-    """Turn sluice's errors into one line on stderr and exit code 1 (click prints it)."""
+def errors(url: str | None = None, *, no_run_on: Path | None = None) -> Iterator[None]:
+    """Turn sluice's errors into one line on stderr and exit code 1 (click prints it).
+    `no_run_on`: the state dir without a `sluice run`, where `url` was only the default."""
     try:
         yield
     except StoreUnavailable as exc:
         detail = str(exc).removeprefix("redis unavailable: ")
+        if no_run_on is not None:
+            raise click.ClickException(
+                f"no `sluice run` is active on this state dir ({no_run_on}), and no Redis "
+                f"answers at {redact_url(url or DEFAULT_REDIS_URL)}: start `sluice run FILE`, "
+                "or give --redis URL (or --state-dir of the run)"
+            ) from exc
         where = f" at {redact_url(url)}" if url else ""
         raise click.ClickException(one_line(f"cannot reach Redis{where}: {detail}")) from exc
     except (SpecError, SluiceError, ValueError, TimeoutError) as exc:
@@ -77,7 +89,7 @@ def with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
                                   ca_file=target.ca_file) as store:  # fmt: skip
             return await fn(store)
 
-    with errors(target.url):
+    with errors(target.url, no_run_on=target.no_run_on):
         return asyncio.run(main())
 
 
@@ -154,7 +166,8 @@ def target_of(redis_url: str | None, prefix: str, state_dir: Path) -> Target:
         return Target(redis_url, prefix, ca_file)
     info = read_run_info(resolve_state_dir(state_dir))
     if info is None:
-        return Target(DEFAULT_REDIS_URL, prefix, ca_file)
+        return Target(DEFAULT_REDIS_URL, prefix, ca_file,
+                      no_run_on=resolve_state_dir(state_dir))  # fmt: skip
     ctx = click.get_current_context()
     explicit = ctx.get_parameter_source("prefix") not in (
         click.core.ParameterSource.DEFAULT,
@@ -251,15 +264,44 @@ def overrides(
 
 
 YES = click.option("-y", "--yes", is_flag=True, help="Skip the confirmation prompt.")
+# Eager, so that --backend's callback knows it: a dry run needs no SkyPilot installed.
+DRY_RUN = click.option("--dry-run", is_flag=True, is_eager=True,
+                       help="Validate FILE and print the normalised spec (secrets redacted) "
+                       "and what would run; touches no Redis, starts nothing.")  # fmt: skip
+#: --backend of `up` and `update`: what the spec is checked against (the controller's).
+BACKEND = click.option(
+    "--backend", type=click.Choice(["local", "skypilot"]), default=None,
+    help="The backend the controller launches replicas with, to check FILE against "
+    "(default: that of the `sluice run` on --state-dir, else local).",
+)  # fmt: skip
 
 
-def service_name(name: str | None, spec: ServiceSpec, file: Path) -> str:
-    chosen = name or spec.name or file.stem
-    try:
-        return check_service_name(chosen)
-    except ValueError as exc:
-        hint = "-n/--name" if name else ("the YAML's `name`" if spec.name else "the file name")
-        raise click.BadParameter(f"{exc} (choose one with -n)", param_hint=hint) from None
+def service_name(name: str | None, spec: ServiceSpec, file: Path) -> tuple[str, str]:
+    """The service name and where it came from (for the line the commands print).
+
+    -n is taken as given and must be valid. Without it the name comes from the YAML's
+    `name`, else the file name, made valid the way a DNS label is (lowercase; `_`, `.`
+    and other characters become `-`; a leading digit dropped: `lb_autoscale_wd.yaml` is
+    `lb-autoscale-wd`); when nothing is left, one is generated (`sluice-service-1a2b`,
+    as Sky Serve generates `sky-service-1a2b`)."""
+    if name:
+        try:
+            return check_service_name(name), ""
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="-n/--name") from None
+    source, given = ("the YAML's `name`", spec.name) if spec.name else ("the file name", file.name)
+    derived = valid_name(spec.name or file.name.removesuffix(".yaml").removesuffix(".yml"))
+    if derived is None:
+        generated = f"sluice-service-{secrets.token_hex(2)}"
+        return generated, f" (generated: {source} {given!r} gives none; choose one with -n)"
+    return derived, f" (from {source} {given!r}; choose another with -n)"
+
+
+def valid_name(text: str) -> str | None:
+    """`text` as a valid service name, or None when no letter survives."""
+    name = re.sub(r"[^a-z0-9]+", "-", text.lower())
+    name = re.sub(r"^[^a-z]+", "", name)[:SERVICE_NAME_MAX].rstrip("-")
+    return name or None
 
 
 def check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -273,7 +315,7 @@ def check_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _check_backend(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """`--backend skypilot` needs SkyPilot importable here: say so before anything starts."""
-    if value == "skypilot":
+    if value == "skypilot" and not ctx.params.get("dry_run"):
         from controlplane.backends.skypilot_sdk import SkyPilotMissing, load_sky
 
         try:

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import click
 
+from controlplane.backends.fit import check_backend, check_run_command
+from controlplane.cli import dryrun
 from controlplane.cli.common import (
+    DRY_RUN,
     backend_option,
     env_options,
     errors,
@@ -57,6 +60,7 @@ from controlplane.run import RunConfig, run_service
 )
 @backend_option
 @log_level_option
+@DRY_RUN
 @env_options
 def run(
     file: Path,
@@ -71,12 +75,19 @@ def run(
     down_timeout: float,
     backend: str,
     log_level: str,
+    dry_run: bool,
     env: list[tuple[str, str]],
     env_file: dict[str, str],
     secret: list[tuple[str, str]],
     secret_file: dict[str, str],
 ) -> None:
     """Run FILE's service in the foreground: Redis, controller, proxy, replicas.
+
+    The proxy listens on --host (127.0.0.1 unless given; 0.0.0.0 serves other
+    machines); its admin port (/metrics, /snapshot) is printed. The run ends with exit
+    code 1 and a one-line reason when the service can never become ready (every replica
+    of its only version failed before it was ever ready). --dry-run validates FILE and
+    prints what would start, without Redis.
 
     Starts a private redis-server unless --redis is given, the controller and the
     proxy as child processes (logs under --state-dir), registers the service and
@@ -88,9 +99,26 @@ def run(
       sluice run examples/echo.yaml --port 8080
     """
     spec = load_file(file, overrides(env, env_file, secret, secret_file))
+    service, naming = service_name(name, spec, file)
+    with errors():
+        check_backend(spec, backend)
+        check_run_command(spec, backend)
+    if dry_run:
+        where = "a private redis-server" if redis_url is None else "no redis-server (--redis)"
+        dryrun.show(service, naming, spec, backend, [
+            f"start {where}, the controller, and the proxy listening on {host}:{port} "
+            f"(admin on {f'127.0.0.1:{admin_port}' if admin_port else 'a free 127.0.0.1 port'}"
+            "), logs under "
+            f"{resolve_state_dir(state_dir)}",
+            f"register {service} and launch {dryrun.replicas_text(spec)}",
+            dryrun.replica_text(spec, backend),
+        ])  # fmt: skip
+        return
+    if naming:
+        click.echo(f"sluice: service name {service}{naming}")
     config = RunConfig(
         spec=spec,
-        name=service_name(name, spec, file),
+        name=service,
         state_dir=resolve_state_dir(state_dir),
         redis_url=redis_url,
         redis_ca_file=given_ca_file(),

@@ -62,7 +62,8 @@ def logs(
     prefix: str,
     state_dir: Path,
 ) -> None:
-    """Print logs of service NAME: --controller, --load-balancer, or replica IDs.
+    """Print logs of service NAME: --controller, --load-balancer, or replica IDs; with
+    none of them, every log of NAME (controller, load balancer, setups, replicas).
 
     Logs live under --state-dir: controller.log, NAME/proxy.log and, for replicas
     of the local backend, the path in the replica's handle (NAME/replica-ID.log).
@@ -71,6 +72,7 @@ def logs(
 
     \b
     Examples:
+      sluice logs echo
       sluice logs echo 1
       sluice logs echo --controller --no-follow
       sluice logs echo --load-balancer --tail 100
@@ -94,12 +96,33 @@ def logs(
         target = target_of(redis_url, prefix, state_dir)
         paths += _replica_logs(target, layout, name, ids, others=bool(paths), follow=follow)
     if not paths:
-        raise click.UsageError("choose a log: --controller, --load-balancer, or replica IDs")
+        # No target: every log of the service, followed together (what `sky serve logs
+        # --sync-down` gathers by default; Sky's tail asks for a target instead).
+        paths = _all_logs(layout, name)
+        if not paths:
+            raise click.ClickException(
+                f"no logs of {name} under {layout.root}; give --state-dir of its run, or "
+                "choose one: --controller, --load-balancer, or replica IDs"
+            )
     for path in paths:
         if not path.is_file():
             raise click.ClickException(f"no log at {path}")
     with contextlib.suppress(KeyboardInterrupt):
         _print_files(paths, follow=follow, tail=tail)
+
+
+def _all_logs(layout: StateDir, name: str) -> list[Path]:
+    """The controller's log, the service's proxy log, its replicas' and setups' logs
+    (by replica id), those that exist."""
+    directory = layout.service_dir(name)
+
+    def replica_id(path: Path) -> int:
+        return int(digits) if (digits := path.stem.removeprefix("replica-")).isdigit() else 0
+
+    found = [layout.controller_log, layout.proxy_log(name),
+             *sorted(directory.glob("setup-v*.log")),
+             *sorted(directory.glob("replica-*.log"), key=replica_id)]  # fmt: skip
+    return [path for path in found if path.is_file()]
 
 
 def _replica_logs(

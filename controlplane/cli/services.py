@@ -10,28 +10,39 @@ import click
 import msgspec
 
 from controlplane import ops
+from controlplane.backends.fit import check_backend
+from controlplane.cli import dryrun
 from controlplane.cli.common import (
+    BACKEND,
+    DRY_RUN,
     YES,
     Target,
+    checked_name,
     env_options,
+    errors,
     load_file,
     overrides,
     redis_options,
+    resolve_state_dir,
     service_name,
     target_of,
     with_store,
 )
 from controlplane.display import status_text
 from controlplane.records import ReplicaRecord
+from controlplane.run import read_run_info
 from controlplane.states import UpdateMode
 from controlplane.store import ServiceNotFound, Store
 
 
 @click.command()
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("-n", "--name", help="Service name (default: the YAML's `name`, else the file's).")
+@click.option("-n", "--name", help="Service name (default: the YAML's `name`, else the "
+              "file's, made valid: lb_test.yaml is lb-test).")  # fmt: skip
 @click.option("--endpoint", metavar="URL", help="Where clients reach the service (shown by "
               "`sluice status`), e.g. the URL of its sluice-proxy.")  # fmt: skip
+@BACKEND
+@DRY_RUN
 @env_options
 @YES
 @redis_options()
@@ -39,6 +50,8 @@ def up(
     file: Path,
     name: str | None,
     endpoint: str | None,
+    backend: str | None,
+    dry_run: bool,
     env: list[tuple[str, str]],
     env_file: dict[str, str],
     secret: list[tuple[str, str]],
@@ -51,18 +64,47 @@ def up(
     """Register FILE's service; the controller launches its replicas.
 
     -y is accepted as `sky serve up` takes it; there is no cost to confirm here.
+    --dry-run validates FILE for the backend and prints what would be registered,
+    without Redis.
 
     \b
     Example:
       sluice up examples/echo.yaml -n echo --redis redis://127.0.0.1:6379
       sluice up llm.yaml -n llm --env MODEL_NAME=Qwen/Qwen2.5-0.5B --secret HF_TOKEN
+      sluice up llm.yaml --dry-run --backend skypilot
     """
     spec = load_file(file, overrides(env, env_file, secret, secret_file))
-    service = service_name(name, spec, file)
+    service, naming = service_name(name, spec, file)
+    run = read_run_info(resolve_state_dir(state_dir)) if not redis_url else None
+    backend = backend or (run.backend if run is not None else "local")
+    with errors():
+        check_backend(spec, backend)
+    if dry_run:
+        dryrun.show(service, naming, spec, backend, [
+            f"register service {service} (version 1) in Redis; the controller launches "
+            f"{dryrun.replicas_text(spec)}",
+            dryrun.replica_text(spec, backend),
+        ])  # fmt: skip
+        return
     target = target_of(redis_url, prefix, state_dir)
-    record = with_store(target, lambda store: ops.up(store, service, spec, endpoint=endpoint))
-    click.echo(f"{record.name}: registered version {record.version}; the controller launches "
-               f"{spec.min_replicas} replica(s). Watch: sluice status {record.name}")  # fmt: skip
+    record = with_store(
+        target, lambda store: ops.up(store, service, spec, endpoint=endpoint, backend=backend)
+    )
+    click.echo(f"{record.name}{naming}: registered version {record.version}; the "
+               f"controller launches {spec.min_replicas} replica(s). "
+               f"Watch: sluice status {record.name}")  # fmt: skip
+    if run is not None and run.service != record.name and endpoint is None:
+        # The proxy of `sluice run` serves its own service only.
+        scheme, sep, rest = run.redis_url.partition("://")
+        url = (f"{scheme}://:$(cat {run.redis_password_file})@{rest}"
+               if run.redis_password_file and sep else run.redis_url)  # fmt: skip
+        click.echo(
+            f"{record.name} has no proxy: the one of the `sluice run` on this state dir "
+            f"serves {run.service} only. Reach {record.name}'s replicas at the URLs of "
+            f"`sluice status {record.name}`, or run a proxy for it (the run's Redis, its "
+            f"password read from its file): SLUICE_REDIS_URL=\"{url}\" sluice proxy "
+            f"--service {record.name} --port PORT"
+        )
 
 
 @click.command()
@@ -75,6 +117,8 @@ def up(
     show_default=True,
     help="How the new version takes over (rolling unless given, as in `sky serve update`).",
 )
+@BACKEND
+@DRY_RUN
 @env_options
 @YES
 @redis_options()
@@ -82,6 +126,8 @@ def update(
     name: str,
     file: Path,
     mode: str,
+    backend: str | None,
+    dry_run: bool,
     env: list[tuple[str, str]],
     env_file: dict[str, str],
     secret: list[tuple[str, str]],
@@ -101,9 +147,23 @@ def update(
       sluice update echo examples/echo.yaml --mode blue_green
     """
     spec = load_file(file, overrides(env, env_file, secret, secret_file))
-    target = target_of(redis_url, prefix, state_dir)
     chosen = UpdateMode(mode.lower())
-    version = with_store(target, lambda store: ops.update(store, name, spec, mode=chosen))
+    run = read_run_info(resolve_state_dir(state_dir)) if not redis_url else None
+    backend = backend or (run.backend if run is not None else "local")
+    with errors():
+        check_backend(spec, backend)
+    if dry_run:
+        dryrun.show(checked_name(name), "", spec, backend, [
+            f"make FILE the next version of {name} ({chosen.value}): relabel the running "
+            "replicas if only replica counts, probe or policy changed, else roll out "
+            f"{dryrun.replicas_text(spec)}",
+            dryrun.replica_text(spec, backend),
+        ])  # fmt: skip
+        return
+    target = target_of(redis_url, prefix, state_dir)
+    version = with_store(
+        target, lambda store: ops.update(store, name, spec, mode=chosen, backend=backend)
+    )
     click.echo(f"{name}: updating to version {version} ({chosen.value}). "
                f"Watch: sluice status {name}")  # fmt: skip
 
@@ -276,3 +336,8 @@ def status(
         click.echo(msgspec.json.format(msgspec.json.encode(views), indent=2).decode())
     else:
         click.echo(status_text(views, time.time(), verbose=verbose))
+        run = None if redis_url else read_run_info(resolve_state_dir(state_dir))
+        if run is not None and run.listen:
+            click.echo(f"\n`sluice run` (pid {run.pid}) of {run.service}: its proxy listens "
+                       f"on {run.listen} (endpoint {run.endpoint}), admin {run.admin} "
+                       f"(/metrics, /snapshot); backend {run.backend}")  # fmt: skip

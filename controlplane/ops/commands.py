@@ -15,7 +15,7 @@ import fnmatch
 import msgspec
 
 from controlplane import lifecycle
-from controlplane.backends.fixedport import check_fixed_port
+from controlplane.backends.fit import check_backend
 from controlplane.ops.errors import ReplicaBusy, ReplicaExists, ReplicaNotFound, ServiceShuttingDown
 from controlplane.records import ReplicaRecord, ServiceRecord, check_service_name
 from controlplane.spec import ServiceSpec
@@ -31,17 +31,22 @@ from controlplane.store import Mutation, ServiceNotFound, Store
 
 
 async def up(
-    store: Store, name: str, spec: ServiceSpec, *, endpoint: str | None = None
+    store: Store,
+    name: str,
+    spec: ServiceSpec,
+    *,
+    endpoint: str | None = None,
+    backend: str = "local",
 ) -> ServiceRecord:
     """Register service `name` at version 1 with `spec` and nudge the controller.
 
     `endpoint` is where clients reach it (the proxy's URL), shown by `status`.
     Returns the stored record. Raises ServiceExists if the name is taken,
     ValueError (InvalidServiceName) for an invalid name, before touching Redis;
-    PortConflict for local replicas that would share a fixed port.
+    backends.fit.Unfit / PortConflict when `backend` (the controller's) cannot run it.
     """
     check_service_name(name)
-    check_fixed_port(spec)
+    check_backend(spec, backend)
     record = ServiceRecord(
         name=name,
         status=ServiceStatus.CONTROLLER_INIT,
@@ -63,7 +68,12 @@ async def up(
 
 
 async def update(
-    store: Store, name: str, spec: ServiceSpec, *, mode: UpdateMode | None = None
+    store: Store,
+    name: str,
+    spec: ServiceSpec,
+    *,
+    mode: UpdateMode | None = None,
+    backend: str = "local",
 ) -> int:
     """Make `spec` the latest version of service `name`; returns the new version.
 
@@ -74,7 +84,7 @@ async def update(
     would need the fixed port the running one holds).
     """
     current_raw = await store.spec(name, (await _record(store, name)).version)
-    check_fixed_port(spec, ServiceSpec.from_json(current_raw) if current_raw else None)
+    check_backend(spec, backend, ServiceSpec.from_json(current_raw) if current_raw else None)
     payload = spec.to_json()
 
     def plan(current: ServiceRecord, _replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, int]:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     spot: bool = False
     infra: str | None = None  # where it runs, e.g. "AWS (us-east-1, us-east-1a)"; "local"
     resources: str | None = None  # e.g. "1x[Spot](g6.xlarge, L4:1) $0.40/h" (SkyPilot)
+    # Why it failed, was preempted or is not ready (its latest such event), e.g.
+    # "replica 2 (v1): process exited with code 3 ..."; None when there was none.
+    reason: str | None = None
+    log: str | None = None  # the local backend's log file of the replica
 
 
 class ProxyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,8 +182,8 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         return None
     record = state.record
     replicas = list(state.replicas.values())
-    last_failure = await _last_failure(store, name)
-    autoscaling, target = await _policy(store, record)
+    last_failure, reasons = await _failures(store, name)
+    autoscaling, target, no_run = await _policy(store, record)
     decision = await store.read_autoscaler(name)
     if decision is not None:
         target = decision.target
@@ -195,9 +200,9 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         ready=sum(1 for r in replicas if r.status is ReplicaStatus.READY),
         total=sum(1 for r in replicas if r.status not in GONE),
         generation=state.generation,
-        replicas=[_replica_view(r) for r in replicas],
+        replicas=[_replica_view(r, reasons.get(r.id)) for r in replicas],
         last_failure=last_failure,
-        launch_blocked=_launch_blocked(record, replicas, last_failure),
+        launch_blocked=_launch_blocked(record, replicas, reasons) or no_run,
         autoscaling=autoscaling,
         target=target,
         autoscaler=decision,
@@ -205,18 +210,32 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     )
 
 
-async def _last_failure(store: Store, name: str) -> str | None:
-    """The reason of the latest failure event among the last 200 events."""
-    for event in reversed(await store.events(name, count=200)):
+#: Events that carry why a replica left READY or never got there.
+_REASON_EVENTS = (EventKind.FAILURE, EventKind.NOT_READY, EventKind.PREEMPT)
+
+
+async def _failures(store: Store, name: str) -> tuple[str | None, dict[int, str]]:
+    """The reason of the latest failure event among the last 200 events, and the latest
+    reason (failure, not ready, preemption) per replica id."""
+    last: str | None = None
+    reasons: dict[int, str] = {}
+    for event in await store.events(name, count=200):
+        if event.kind not in _REASON_EVENTS:
+            continue
+        reason = event.fields.get("reason")
         if event.kind == EventKind.FAILURE:
-            return event.fields.get("reason", "failed")
-    return None
+            last = reason or "failed"
+        with contextlib.suppress(KeyError, ValueError):
+            if reason:
+                reasons[int(event.fields["replica"])] = reason
+    return last, reasons
 
 
 def _launch_blocked(
-    record: ServiceRecord, replicas: list[ReplicaRecord], last_failure: str | None
+    record: ServiceRecord, replicas: list[ReplicaRecord], reasons: dict[int, str]
 ) -> str | None:
-    """Why the controller stopped launching replicas of the latest version, if it did."""
+    """Why the controller stopped launching replicas of the latest version, if it did:
+    the replica that gave it up, with that replica's own reason."""
     blocked = given_up_by(replicas, record.version, ready_version(record, replicas))
     if blocked is None:
         return None
@@ -224,21 +243,29 @@ def _launch_blocked(
         f"version {record.version} stopped launching: replica {blocked.id} "
         f"{blocked.status.value} before it was ever ready"
     )
-    if last_failure:
-        why += f" ({last_failure})"
+    if blocked.id in reasons:
+        why += f" ({reasons[blocked.id]})"
     return why
 
 
-async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int | None]:
-    """The latest version's replica policy in words, and its fixed target."""
+async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int | None, str | None]:
+    """The latest version's replica policy in words, its fixed target, and why nothing is
+    launched when its spec has no `run` command (replicas come from `replica add`)."""
     spec_raw = await store.spec(record.name, record.version)
     if spec_raw is None:
-        return None, None
-    policy = ServiceSpec.from_json(spec_raw).service.scaling
-    return Autoscaler(policy, now=0.0).describe(), policy.min_replicas
+        return None, None, None
+    spec = ServiceSpec.from_json(spec_raw)
+    policy = spec.service.scaling
+    no_run = None
+    if not spec.run and spec.max_replicas > 0:
+        no_run = (
+            f"version {record.version} has no `run` command: the controller launches no "
+            f"replica; register them with `sluice replica add {record.name} URL`"
+        )
+    return Autoscaler(policy, now=0.0).describe(), policy.min_replicas, no_run
 
 
-def _replica_view(r: ReplicaRecord) -> ReplicaView:
+def _replica_view(r: ReplicaRecord, reason: str | None = None) -> ReplicaView:
     return ReplicaView(
         id=r.id,
         version=r.version,
@@ -251,4 +278,6 @@ def _replica_view(r: ReplicaRecord) -> ReplicaView:
         spot=r.spot,
         infra=infra_text(r.handle) if r.backend == "skypilot" else r.backend,
         resources=resources_text(r.handle) if r.backend == "skypilot" else None,
+        reason=reason,
+        log=logged if isinstance(logged := r.handle.get("log"), str) else None,
     )

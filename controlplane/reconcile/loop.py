@@ -28,6 +28,7 @@ from controlplane.reconcile.autoscaling import (
     write_step,
 )
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
+from controlplane.reconcile.journal import Journal
 from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.planner import Planner
 from controlplane.reconcile.tasks import TaskRegistry
@@ -77,6 +78,7 @@ class Controller:
         self._planner = Planner(
             config, self._backends, self._prober, self._tasks, self._autoscalers
         )
+        self._journal = Journal()  # the controller log's line per change
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
         self._specs: dict[tuple[str, float, int], ServiceSpec] = {}
@@ -311,6 +313,7 @@ class Controller:
     async def _after_commit(self, plan: ServicePlan, launched: list[ReplicaRecord]) -> None:
         name = plan.name
         self._planner.committed(name)
+        self._journal.committed(plan)
         self._tasks.settle(name, plan.done_launches, plan.done_terminations)
         for backend, orphan in plan.orphans:
             self._tasks.terminate_orphan(name, backend, orphan)
@@ -328,6 +331,7 @@ class Controller:
                 else backend.launch(name, replica.id, replica.version, spec)
             )
             self._tasks.launch(name, replica.id, backend, launch)
+            self._journal.launched(name, replica.id, replica.version, replica.backend)
         for replica_id in plan.terminate:
             replica = plan.table[replica_id]
             self._tasks.terminate(
@@ -346,6 +350,7 @@ class Controller:
         self._tasks.forget_gone(names)
 
     def _forget(self, name: str) -> None:
+        self._journal.forget(name)
         self._known.discard(name)
         self._fleet.pop(name, None)
         self._unwritten.pop(name, None)

@@ -30,7 +30,9 @@ class RunConfig:
     redis_url: str | None = None  # None: start a private redis-server
     redis_ca_file: str | None = None  # the CA of a rediss:// server (None: the system's)
     prefix: str = DEFAULT_PREFIX
-    host: str = "0.0.0.0"  # the proxy's listen address
+    # The proxy's listen address: loopback, as dev servers default to; 0.0.0.0 (or
+    # an address) to serve other machines.
+    host: str = "127.0.0.1"
     port: int = 8080  # the proxy's port; 0 picks a free one
     admin_port: int = 0  # the proxy's admin port; 0 picks a free one
     drain_seconds: float = 5.0  # the controller's drain delay
@@ -55,6 +57,9 @@ class RunInfo(msgspec.Struct, kw_only=True):
     pids: dict[str, int] = {}  # redis, controller, proxy
     redis_password_file: str | None = None  # 0600 file holding the password, if any
     redis_ca_file: str | None = None
+    listen: str = ""  # the proxy's host:port, e.g. 0.0.0.0:8080 ("" from an older run)
+    admin: str = ""  # the proxy's admin URL, http://127.0.0.1:PORT
+    backend: str = "local"  # what the controller launches replicas with
 
 
 def run_redis_url(info: RunInfo) -> str:

@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import msgspec
+
 from controlplane import ops, processes
-from controlplane.backends.fixedport import check_fixed_port, fixed_port
+from controlplane.backends.fit import check_backend, check_run_command
+from controlplane.backends.fixedport import fixed_port
 from controlplane.backends.localproc import recorded_handles, stop_groups
 from controlplane.display import LiveView
 from controlplane.records import Handle, ReplicaRecord, check_service_name
@@ -62,6 +65,7 @@ class ServiceRun:
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()
         self._upped = False
+        self._verdict: str | None = None  # why the service can never become ready
 
     # -- the whole run -----------------------------------------------------------------------
 
@@ -72,7 +76,8 @@ class ServiceRun:
         # Errors before anything starts: a missing key or cert, a fixed replica port
         # several replicas (or the proxy) would need.
         tls_files(config.spec)
-        check_fixed_port(config.spec)
+        check_backend(config.spec, config.backend)
+        check_run_command(config.spec, config.backend)
         replica_port = fixed_port(config.spec)
         if replica_port is not None and replica_port == config.port:
             raise RunError(
@@ -139,6 +144,9 @@ class ServiceRun:
                 redis_password_file=None if password is None
                 else str(self._layout.redis_password),
                 redis_ca_file=config.redis_ca_file,
+                listen=f"{_listen_host(config.host)}:{port}",
+                admin=f"http://127.0.0.1:{admin_port}",
+                backend=config.backend,
             )  # fmt: skip
             self._write_info()
             try:
@@ -151,13 +159,44 @@ class ServiceRun:
                     return 0  # interrupted while starting: nothing registered yet
                 await ops.up(store, config.name, config.spec, endpoint=endpoint)
                 self._upped = True
-                self._view.message(
-                    f"sluice: service {config.name} at {endpoint} "
-                    f"(state in {config.state_dir}; Ctrl-C to stop)"
-                )
+                for line in self._banner(endpoint, port, admin_port):
+                    self._view.message(line)
                 return await self._watch(store, endpoint)
             finally:
                 await self._shutdown(store)
+
+    def _banner(self, endpoint: str, port: int, admin_port: int) -> list[str]:
+        """What the run says once the service is registered: where clients go, where the
+        proxy listens, its admin port, where the logs are."""
+        config, layout = self._config, self._layout
+        listen = _listen_host(config.host)
+        where = " (every interface)" if config.host in ("", "0.0.0.0", "::") else ""
+        return [
+            f"sluice: service {config.name} at {endpoint} (the proxy listens on "
+            f"{listen}:{port}{where}; admin http://127.0.0.1:{admin_port}/metrics)",
+            f"sluice: logs: sluice logs {config.name} (replicas, --controller: "
+            f"{layout.controller_log}, --load-balancer: {layout.proxy_log(config.name)}); "
+            f"state in {config.state_dir}; Ctrl-C to stop",
+        ]
+
+    def _with_logs(self, view: ops.ServiceView) -> ops.ServiceView:
+        """`view` with the log path of local replicas whose handle is gone (the controller
+        empties the handle of a replica it terminated; its log stays)."""
+        replicas = []
+        for r in view.replicas:
+            path = self._layout.replica_log(view.name, r.id)
+            if r.log is None and r.backend == "local" and path.is_file():
+                r = msgspec.structs.replace(r, log=str(path))
+            replicas.append(r)
+        return msgspec.structs.replace(view, replicas=replicas)
+
+    def _never_ready(self, view: ops.ServiceView) -> str:
+        why = view.launch_blocked or f"service {view.name} FAILED"
+        logs = [r.log for r in view.replicas if r.log] or [f"sluice logs {view.name} ID"]
+        return (
+            f"{view.name} can never become ready: {why}; nothing more will be launched. "
+            f"Logs: {', '.join(logs[:3])}, {self._layout.controller_log}"
+        )
 
     def _on_signal(self) -> None:
         if self._stop.is_set():
@@ -186,11 +225,17 @@ class ServiceRun:
             else:
                 unreachable = False
                 self._remember_handles(await store.replicas(config.name))
+                view = self._with_logs(view)
                 now = time.time()
                 if view.status == ServiceStatus.SHUTTING_DOWN:
                     self._view.message(f"sluice: service {config.name} is being taken down")
                     return 0
                 self._view.update(view, now)
+                if view.status == ServiceStatus.FAILED and view.version == 1:
+                    # The only version gave up (every replica failed before it was ever
+                    # ready): nothing will launch again, so waiting would be silent forever.
+                    self._verdict = self._never_ready(view)
+                    return 1
                 if not announced and view.ready > 0:
                     announced = True
                     self._view.message(f"sluice: {config.name} is ready at {endpoint}")
@@ -256,6 +301,8 @@ class ServiceRun:
             self._view.message("sluice: killed replicas the controller left running")
         self._stop_redis()
         self._view.message("sluice: stopped")
+        if self._verdict is not None:
+            self._view.message(f"sluice: {self._verdict}")
 
     async def _wait_removed(self, store: Store) -> None:
         """Until the controller has terminated every replica and unregistered the service,
@@ -328,3 +375,7 @@ def _display_host(host: str) -> str:
     if host == "::":
         return "[::1]"
     return f"[{host}]" if ":" in host else host
+
+
+def _listen_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else (host or "0.0.0.0")

@@ -135,7 +135,14 @@ def _env_values(envs: Mapping[Any, Any], key: str, source: str | None) -> dict[A
         path = f"$.{key}.{name}"
         match value:
             case None:
-                raise SpecError(path, "has no value; give it one in the YAML", source=source)
+                flag = "--env" if key == "envs" else "--secret"
+                raise SpecError(
+                    path,
+                    f"has no value; pass it with {flag} {name}=VALUE ({flag} {name} takes "
+                    f"${name} from this shell; or {flag}-file FILE), or give it one in the "
+                    f"YAML ({name}: \"\" for empty)",
+                    source=source,
+                )
             case bool():
                 raise SpecError(
                     path, f"is a boolean; quote it ('{str(value).lower()}')", source=source

@@ -5,19 +5,27 @@ Top-level task keys, decided one by one:
 - used by the local backend: `name`, `run`, `setup`, `envs`, `secrets`
   (both str -> str; numbers are stringified), `workdir` (a local path);
 - kept for the SkyPilot backend, validated loosely: `resources`, `num_nodes`
-  (must be 1, as in Sky Serve), `file_mounts`, `config`, `volumes`;
+  (>= 1; more than one is for the SkyPilot backend only, see `backends.fit`),
+  `file_mounts`, `config`, `volumes`;
 - rejected with a reason: see `compat.UNSUPPORTED` (cluster pools, SkyPilot-internal
   keys, experimental ones Sky Serve ignores); anything else is an unknown field.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from controlplane.spec.errors import SpecError, translate
-from controlplane.spec.service import EnvName, PrefixRouting, ReadinessProbe, ServiceSection
+from controlplane.spec.service import (
+    EnvName,
+    NonNegFloat,
+    PrefixRouting,
+    ReadinessProbe,
+    ServiceSection,
+)
 from proxy.wire.snapshot import PrefixOptions
 
 PortSpec = int | str | list[int | str]
@@ -30,7 +38,9 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     verbatim for the SkyPilot backend.
     """
 
-    accelerators: str | dict[str, int | float] | list[str] | None = None
+    # "L4:1", {L4: 1}, {L4:1, A10G:1} (YAML reads these as keys with null counts, as
+    # SkyPilot's schema allows), or a list of names: SkyPilot's choices.
+    accelerators: str | dict[str, NonNegFloat | None] | list[str] | None = None
     use_spot: bool = False
     ports: PortSpec | None = None
     cloud: str | None = None
@@ -54,6 +64,23 @@ class Resources(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def __post_init__(self) -> None:
         port_ranges(self.ports)  # raises ValueError("ports: ...")
 
+    def check_for_service(self) -> None:
+        """Sky Serve's rules on a service's resources (serve_utils.validate_service_task):
+        every choice spot or none, and no job_recovery (preempted replicas are replaced)."""
+        choices = [*(self.any_of or ()), *(self.ordered or ())] or [{}]
+        if self.job_recovery is not None or any("job_recovery" in c for c in choices):
+            raise ValueError(
+                "resources.job_recovery: not for services; the controller replaces a "
+                "preempted or failed replica itself"
+            )
+        spot = {bool(c.get("use_spot", self.use_spot)) for c in choices}
+        if len(spot) > 1:
+            raise ValueError(
+                "resources.any_of: every choice must use spot or none; to mix spot and "
+                "on-demand replicas use replica_policy.dynamic_ondemand_fallback or "
+                "base_ondemand_fallback_replicas"
+            )
+
     @property
     def port_count(self) -> int:
         return sum(hi - lo + 1 for lo, hi in port_ranges(self.ports))
@@ -68,17 +95,15 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     secrets: dict[EnvName, str] = {}
     workdir: str | None = None
     resources: Resources = msgspec.field(default_factory=Resources)
-    num_nodes: int = 1
+    # Nodes per replica (SkyPilot runs a replica as a cluster and its head node
+    # serves); the local backend runs one process per replica (`backends.fit`).
+    num_nodes: Annotated[int, Meta(ge=1)] = 1
     file_mounts: dict[str, Any] = {}
     config: dict[str, Any] = {}
     volumes: dict[str, Any] = {}
 
     def __post_init__(self) -> None:
-        if self.num_nodes != 1:
-            raise ValueError(
-                f"num_nodes: a service replica runs on one node (got {self.num_nodes}); "
-                "multi-node replicas are not supported, as in Sky Serve"
-            )
+        self.resources.check_for_service()
         scaling = self.service.scaling
         if scaling.uses_ondemand_fallback and not self.resources.use_spot:
             knob = (
@@ -94,6 +119,13 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             raise ValueError(
                 "service.replica_policy.spot_placer: needs spot replicas; "
                 "set resources.use_spot: true"
+            )
+        port = self.service.ports
+        opened = port_ranges(self.resources.ports)
+        if port is not None and opened and not any(lo <= port <= hi for lo, hi in opened):
+            raise ValueError(
+                f"service.ports: the replica's port {port} is not among resources.ports; "
+                "add it there (or leave resources.ports out)"
             )
         if self.service.ports is None and self.resources.port_count > 1:
             raise ValueError(

@@ -199,10 +199,21 @@ def test_run_refuses_an_existing_service(
     assert not (state / "controller.log").exists()  # no process was started
 
 
-def test_logs_needs_a_source(tmp_path: Path) -> None:
+def test_logs_without_a_source_and_without_logs_says_where_it_looked(tmp_path: Path) -> None:
     result = sluice("logs", "svc", "--state-dir", str(tmp_path))
-    assert result.exit_code == 2
-    assert "choose a log" in result.stderr
+    one_line_error(result, f"no logs of svc under {tmp_path}", "--controller")
+
+
+def test_logs_without_a_source_prints_every_log_of_the_service(tmp_path: Path) -> None:
+    (tmp_path / "svc").mkdir()
+    for path, text in (("controller.log", "ctl\n"), ("svc/proxy.log", "lb\n"),
+                       ("svc/replica-10.log", "r10\n"), ("svc/replica-2.log", "r2\n"),
+                       ("other.log", "no\n")):  # fmt: skip
+        (tmp_path / path).write_text(text)
+    result = sluice("logs", "svc", "--no-follow", "--state-dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    shown = [line for line in result.stdout.splitlines() if line and not line.startswith("==>")]
+    assert shown == ["ctl", "lb", "r2", "r10"]
 
 
 def test_status_endpoint_without_a_name_needs_exactly_one_service(ops_args: list[str]) -> None:

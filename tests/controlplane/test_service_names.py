@@ -60,12 +60,16 @@ def test_cli_run_refuses_a_bad_name_before_starting_anything(name: str, tmp_path
     assert not state.exists()
 
 
-def test_cli_run_checks_the_yaml_name_too(tmp_path: Path) -> None:
+def test_cli_run_makes_the_yaml_name_valid(tmp_path: Path) -> None:
+    """A YAML `name` is not a path: `../../escape` becomes the service `escape` (as a
+    file name does), said so; -n is the name to give exactly."""
     spec = tmp_path / "svc.yaml"
     spec.write_text(ECHO.read_text().replace("name: echo", "name: ../../escape"))
-    result = CliRunner().invoke(cli, ["run", str(spec), "--state-dir", str(tmp_path / "s")])
-    assert result.exit_code == 2, result.output
-    assert "invalid service name '../../escape'" in result.stderr
+    state = tmp_path / "s"
+    result = CliRunner().invoke(cli, ["run", str(spec), "--state-dir", str(state), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "service name: escape (from the YAML's `name` '../../escape'" in result.output
+    assert not state.exists()
 
 
 def test_cli_logs_refuses_a_path_as_a_name(tmp_path: Path) -> None:

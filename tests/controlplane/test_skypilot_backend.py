@@ -109,7 +109,8 @@ def test_task_is_the_yaml_without_service_with_the_port_and_replica_env() -> Non
     spec = parse_spec(
         {
             "service": {"readiness_probe": "/health", "replicas": 1, "ports": 8000},
-            "resources": {"accelerators": "L4:1", "ports": [9000], "use_spot": True},
+            # Sky Serve requires the service port among the opened ones.
+            "resources": {"accelerators": "L4:1", "ports": [8000, 9000], "use_spot": True},
             "setup": "pip install vllm",
             "run": "vllm serve",
             "envs": {"A": "1"},

@@ -307,10 +307,10 @@ INVALID = [
         id="accelerator-count-not-number",
     ),
     pytest.param(
-        spec_with(num_nodes=2),
+        spec_with(num_nodes=0),
         "$.num_nodes",
-        "multi-node replicas are not supported",
-        id="multi-node",
+        "Expected `int` >= 1",
+        id="no-nodes",
     ),
     pytest.param(
         spec_with(envs={"MODEL": None}),
@@ -720,7 +720,11 @@ REPLACE = [
         _variant(service={"ports": 9090}, resources={"accelerators": "A100:1", "ports": 9090}),
         id="ports",
     ),
-    pytest.param(_variant(service={"ports": 8081}), id="service-ports-only"),
+    pytest.param(  # the port must be opened (Sky Serve's rule); the replica's port moves
+        _variant(service={"ports": 8081}, resources={"accelerators": "A100:1",
+                                                     "ports": [8080, 8081]}),
+        id="service-ports-moves",
+    ),
     pytest.param(_variant(file_mounts={"/data": "s3://b"}), id="file_mounts"),
     pytest.param(_variant(config={"kubernetes": {"pod_config": {}}}), id="config"),
 ]
