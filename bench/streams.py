@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,7 @@ CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n")
 SLOTS = 100  # the interval is cut in this many slots; each stream writes in one of them
-FD_RESERVE = 200  # descriptors a proxy needs besides its two per stream
+FD_RESERVE = 400  # descriptors a proxy needs besides its two per stream
 
 
 def raise_nofile() -> int:
@@ -199,6 +200,8 @@ worker_rlimit_nofile {nofile};
 daemon off;
 pid {prefix}/nginx.pid;
 error_log {prefix}/error.log warn;
+# nginx starts closing idle connections once fewer than 1/16 of worker_connections are
+# free: set above the fd limit (allowed, with a warning) so only the fd limit binds.
 events {{ worker_connections {conns}; }}
 http {{
     access_log off;
@@ -243,7 +246,7 @@ def start_target(name: str, procs: Processes, replica: str, log_dir: Path,
                 p.chmod(0o755)
         conf = prefix / "nginx.conf"
         conf.write_text(NGINX_CONF.format(prefix=prefix, host=HOST, port=port, replica=replica,
-                                          nofile=nofile, conns=nofile - 100))
+                                          nofile=nofile, conns=nofile * 5 // 4))
         argv = [nginx, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf)]
         checks = [(port, "/health")]
     else:
@@ -342,6 +345,8 @@ def main() -> None:
         print(f"note: the fd limit ({nofile}) holds {n} streams per proxy, not "
               f"{args.streams}", file=sys.stderr)
     log_dir = Path(tempfile.mkdtemp(prefix="sluice-streams-"))
+    if os.geteuid() == 0:
+        log_dir.chmod(0o755)  # nginx workers (nobody) reach their prefix below it
     procs = Processes(log_dir)
     results: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -358,18 +363,25 @@ def main() -> None:
                 raise RuntimeError(procs.log_tail("replica"))
             time.sleep(0.05)
         replica = f"{HOST}:{rport}"
-        targets = {}
-        for name in args.targets.split(","):
-            targets[name] = start_target(name, procs, replica, log_dir, nofile)
-            results[name] = []
+        names = args.targets.split(",")
+        results = {name: [] for name in names}
         for r in range(args.rounds):
-            for name, (port, pids) in targets.items():
-                res = one_round(port, pids, n, args.window, procs, f"{name}-{r}")
+            for name in names:
+                # A fresh target each round: its idle RSS is the baseline of this round.
+                sub = log_dir / f"{name}-{r}"
+                sub.mkdir()
+                target = Processes(sub)
+                try:
+                    port, pids = start_target(name, target, replica, sub, nofile)
+                    res = one_round(port, pids, n, args.window, target, f"{name}-{r}")
+                finally:
+                    target.stop_all()
                 results[name].append(res)
                 print(f"round {r + 1} {name}: {json.dumps(res)}", file=sys.stderr)
-                time.sleep(2)  # let the target settle (resets processed) before the next
+                time.sleep(1)  # the replica sees the resets before the next round
     finally:
         procs.stop_all()
+        shutil.rmtree(log_dir, ignore_errors=True)
     base = results.get("nginx")
     print(f"\n{n} SSE streams, 1 event / {args.interval:g} s each, one proxy process; "
           f"median (min-max) of {args.rounds} rounds, {args.window:g} s windows; "
@@ -380,8 +392,8 @@ def main() -> None:
     for name, rounds in results.items():
         ratio = ""
         if base and name != "nginx":
-            rs = [a["cpu_s"] / b["cpu_s"] for a, b in zip(rounds, base, strict=False)
-                  if b["cpu_s"] > 0]
+            rs = [a["cpu_us_per_stream_s"] / b["cpu_us_per_stream_s"]
+                  for a, b in zip(rounds, base, strict=False) if b["cpu_s"] > 0]
             ratio = (f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
                      if rs else "")
         print(f"| {name} | {min(x['streams'] for x in rounds)} | "
