@@ -10,7 +10,8 @@ Future, no logging, no timer object.
 Timeouts are enforced by one sweeper per process (`ServerContext.tick`, every
 100 ms) that looks at absolute deadlines and progress counters, instead of a
 timer per request: here the time to read a request head and idle keep-alive
-connections; an Exchange's own deadlines in `Exchange.tick`.
+connections; an Exchange's own deadlines in `Exchange.tick`. A streaming exchange
+(whose only check is its idle timeout) is looked at every 10th tick, once a second.
 
 Request-head rules (README, "Protocol hygiene"): exactly one Host (HTTP/1.0 may
 omit it), absolute-form targets rewritten to origin-form, framing headers never
