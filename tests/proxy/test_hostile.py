@@ -379,3 +379,41 @@ async def test_metrics_can_be_served_without_the_snapshot(proxy_factory: ProxyFa
     assert status == 200
     assert b"sluice_held_requests" in body
 
+
+
+@pytest.mark.parametrize("rdhup", [True, False], ids=["poll-rdhup", "msg-peek"])
+async def test_departed_sees_a_fin_only_after_the_peer_closed(
+    rdhup: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from proxy import peer
+
+    if not rdhup:
+        monkeypatch.setattr(peer, "_RDHUP", None)  # the portable path
+
+    class Conn(asyncio.Protocol):
+        transport: asyncio.Transport | None = None
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+            self.transport.pause_reading()  # as a held request's connection is
+
+    accepted: asyncio.Queue[asyncio.StreamWriter] = asyncio.Queue()
+
+    async def on_client(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await accepted.put(writer)
+
+    loop = asyncio.get_running_loop()
+    server = await asyncio.start_server(on_client, HOST, 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        _, conn = await loop.create_connection(Conn, HOST, port)
+        remote = await accepted.get()
+        assert peer.departed([conn]) == []  # open and silent
+        if rdhup:  # poll(2) sees the FIN even behind unread data; MSG_PEEK cannot
+            remote.write(b"x")
+            await remote.drain()
+            await until(lambda: peer.departed([conn]) == [], what="data is not a departure")
+        remote.close()
+        assert await until(lambda: peer.departed([conn]) == [conn], what="the peer gone")
+        assert conn.transport is not None
+        conn.transport.close()
