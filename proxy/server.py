@@ -20,8 +20,9 @@ appended, X-Real-IP set from the peer, a client's Forwarded dropped. Body bytes
 parsed from one client read go upstream in one write (`Exchange.flush_upstream`).
 
 Bounds (docs/security.md, "Bounds"): at most `max_connections` client connections
-(past it a new one is closed at once, logged once, counted); a connection that sends
-nothing is closed after `header_timeout`; at most `max_pipeline` parsed requests wait
+(past it a new one is closed at once, logged once, counted, and idle ones close after
+1 s instead of their timeouts, to make room); a connection that sends nothing is
+closed after `header_timeout`; at most `max_pipeline` parsed requests wait
 behind the one being answered (past it parsing stops, and the connection closes after
 answering those, as RFC 9112 9.3.2 lets a server do); a client that left while its
 request is held with reading paused is noticed (proxy/peer.py) and never reaches a replica.
@@ -68,6 +69,7 @@ def _origin_form(url: bytes) -> tuple[bytes, bytes]:
     return path, authority
 
 
+IDLE_AT_CAPACITY = 1.0  # at the cap: idle connections (silent, or kept alive) close this soon
 STREAM_SWEEP_EVERY = 10  # sweeper ticks (100 ms) between looks at a streaming exchange
 
 
@@ -130,7 +132,8 @@ class ServerContext:
         if not self.at_capacity:
             self.at_capacity = True
             log.warning("client connections at the cap (--max-connections %d): new ones "
-                        "are closed at once until some end", self.max_connections)
+                        "are closed at once, idle ones after %.0f s, until under 90 %%",
+                        self.max_connections, IDLE_AT_CAPACITY)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -540,6 +543,10 @@ class ClientConnection(asyncio.Protocol):
         if self.head_started:
             if now - self.head_started > cfg.header_timeout:
                 transport.abort()  # slowloris: the head never completed
-        elif now - self.idle_since > (cfg.header_timeout if self.fresh else
-                                      cfg.keepalive_timeout):
-            transport.close()  # idle: not a byte since the accept, or since the last response
+        else:
+            idle = now - self.idle_since
+            if idle > (cfg.header_timeout if self.fresh else cfg.keepalive_timeout) or (
+                    idle > IDLE_AT_CAPACITY and self.ctx.at_capacity):
+                # Idle: not a byte since the accept, or since the last response. At the cap,
+                # idle ones make room for clients with requests (as nginx reuses them).
+                transport.close()

@@ -85,15 +85,31 @@ async def test_connections_past_the_cap_are_closed_logged_once_and_counted(
                                            replicas=[upstream.url])
         async with contextlib.AsyncExitStack() as stack:
             idle = [await stack.enter_async_context(connect(proxy.port)) for _ in range(3)]
-            for _ in range(2):
-                async with connect(proxy.port) as extra:
-                    assert await extra.closed_by_peer(within=10)
+            async with connect(proxy.port) as one, connect(proxy.port) as two:  # at once
+                assert await one.closed_by_peer(within=10)
+                assert await two.closed_by_peer(within=10)
             samples = await scrape(proxy.admin_url)
             assert metric(samples, "sluice_client_connections_refused_total") == 2
             assert proxy.output().count("connections at the cap") == 1
             idle[0].abort()  # one leaves: a new client is served again
             resp = await until(lambda: _try_get(proxy.port), what="a connection under the cap")
             assert resp.status == 200
+
+
+async def test_at_the_cap_idle_connections_make_room_for_a_client(
+    proxy_factory: ProxyFactory,
+) -> None:
+    async with ScriptedUpstream({"/a": OK}) as upstream:
+        proxy = await proxy_factory.astart(*BASE_ARGS, "--max-connections", "3",
+                                           replicas=[upstream.url])
+        async with contextlib.AsyncExitStack() as stack:
+            # An attacker holds every slot with silent connections and never lets go...
+            silent = [await stack.enter_async_context(connect(proxy.port)) for _ in range(3)]
+            # ...yet a client with a request gets in within seconds, not --header-timeout
+            # (30 s): at the cap, idle connections close after 1 s.
+            resp = await until(lambda: _try_get(proxy.port), what="a client served")
+            assert resp.status == 200
+            assert all([await c.closed_by_peer(within=10) for c in silent])
 
 
 async def _try_get(port: int) -> rawhttp.Response | None:
