@@ -1,12 +1,19 @@
 """The admin listener (aiohttp, off the request path): /healthz, /readyz, /metrics, /snapshot.
 
 It listens on its own port (127.0.0.1 by default), so proxied paths are never
-shadowed. It reads the proxy through AppView, the few things it shows, so it does
-not depend on the app that owns it (proxy/app.py's ProxyApp is one).
+shadowed. With a token (--admin-token, SLUICE_ADMIN_TOKEN), /metrics and /snapshot
+need `Authorization: Bearer TOKEN` (compared in constant time); the probes
+(/healthz, /readyz) stay open, as load balancers and kubelets probe without
+credentials. --no-admin-snapshot serves /metrics without /snapshot (docs/security.md).
+
+It reads the proxy through AppView, the few things it shows, so it does not depend
+on the app that owns it (proxy/app.py's ProxyApp is one).
 """
 
 from __future__ import annotations
 
+import hmac
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import msgspec
@@ -39,6 +46,9 @@ class AppView(Protocol):
         """Shutdown began."""
 
 
+_OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes: no token asked
+
+
 class AdminServer:
     def __init__(self, app: AppView, host: str, port: int) -> None:
         self._app = app
@@ -48,11 +58,13 @@ class AdminServer:
         self.url = f"http://{host}:{port}"
 
     async def start(self) -> None:
-        web_app = web.Application()
+        cfg = self._app.config
+        web_app = web.Application(middlewares=[self._auth] if cfg.admin_token else [])
         web_app.router.add_get("/healthz", self._healthz)
         web_app.router.add_get("/readyz", self._readyz)
         web_app.router.add_get("/metrics", self._metrics)
-        web_app.router.add_get("/snapshot", self._snapshot)
+        if cfg.admin_snapshot:
+            web_app.router.add_get("/snapshot", self._snapshot)
         # aiohttp waits up to shutdown_timeout (60 s by default) for admin requests in
         # progress at shutdown; ours answer at once, so a short wait is plenty.
         self._runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.5)
@@ -67,6 +79,19 @@ class AdminServer:
     async def aclose(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request,
+                    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                    ) -> web.StreamResponse:
+        if request.path in _OPEN_PATHS:
+            return await handler(request)
+        expected = b"Bearer " + (self._app.config.admin_token or "").encode()
+        given = request.headers.get("Authorization", "").encode("utf-8", "replace")
+        if not hmac.compare_digest(given, expected):
+            return web.json_response({"error": "unauthorized"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -27,6 +27,7 @@ import logging
 import os
 import ssl
 
+from proxy import limits
 from proxy.admin import AdminServer
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
@@ -95,6 +96,10 @@ class ProxyApp:
         ctx = ServerContext(cfg, self.ready_set, self.stats,
                             b"https" if server_ssl else b"http")
         self.ctx = ctx
+        ctx.max_connections = limits.connection_cap(cfg.max_connections)
+        if ctx.max_connections < cfg.max_connections:
+            log.warning("--max-connections %d lowered to %d: the file-descriptor limit holds "
+                        "two per connection", cfg.max_connections, ctx.max_connections)
         await self.source.start(self.ready_set)
         try:
             self.server = await loop.create_server(

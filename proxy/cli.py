@@ -205,6 +205,23 @@ class _ProxyCommand(click.Command):
               show_default=True, help="On SIGTERM, seconds to let in-flight requests finish.")
 @click.option("--tls-certfile", type=click.Path(dir_okay=False), help="Serve HTTPS: cert.")
 @click.option("--tls-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: key.")
+@click.option("--max-connections", type=click.IntRange(1), default=DEFAULTS.max_connections,
+              show_default=True, help="Client connections per process; past it a new one is "
+              "closed at once (logged once, counted). Lowered to fit the fd limit.")
+@click.option("--max-pipeline", type=click.IntRange(0), default=DEFAULTS.max_pipeline,
+              show_default=True, help="Pipelined requests parsed ahead per connection; past "
+              "it the connection closes after answering those.")
+@click.option("--max-held", type=click.IntRange(0), default=DEFAULTS.max_held,
+              show_default=True, help="Requests held for a ready replica at once; past it "
+              "503 with Retry-After at once.")
+@click.option("--max-held-bytes", type=click.IntRange(0), default=DEFAULTS.max_held_bytes,
+              show_default=True, help="Request body bytes the held requests may buffer in "
+              "all; past it 503 with Retry-After at once.")
+@click.option("--admin-token", envvar="SLUICE_ADMIN_TOKEN", default=None,
+              help="Bearer token /metrics and /snapshot require (probes stay open). Give it "
+                   "by env, not argv (argv is visible to every user). Env: SLUICE_ADMIN_TOKEN.")
+@click.option("--admin-snapshot/--no-admin-snapshot", default=DEFAULTS.admin_snapshot,
+              show_default=True, help="Serve /snapshot on the admin port (off: /metrics only).")
 @click.option("--log-level", default=DEFAULTS.log_level, show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="sluice", prog_name="sluice-proxy")
@@ -221,6 +238,8 @@ def proxy_command(
     stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
     header_timeout: float, max_body: int, shutdown_grace: float,
     tls_certfile: str | None, tls_keyfile: str | None, log_level: str,
+    max_connections: int, max_pipeline: int, max_held: int, max_held_bytes: int,
+    admin_token: str | None, admin_snapshot: bool,
 ) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
 
@@ -252,6 +271,9 @@ def proxy_command(
         resume_streams=resume_streams, resume_attempts=resume_attempts,
         header_timeout=header_timeout, max_body=max_body, shutdown_grace=shutdown_grace,
         tls_certfile=tls_certfile, tls_keyfile=tls_keyfile, log_level=log_level.upper(),
+        max_connections=max_connections, max_pipeline=max_pipeline, max_held=max_held,
+        max_held_bytes=max_held_bytes, admin_token=admin_token or None,
+        admin_snapshot=admin_snapshot,
     )
     _run(config, supervise=workers > 1 and worker_index is None)
 

@@ -55,3 +55,11 @@ class ProxyConfig:
     tls_keyfile: str | None = None
     proxy_id: str | None = None
     log_level: str = "INFO"
+    # Bounds on what clients can make the proxy hold (docs/security.md, "Bounds").
+    max_connections: int = 16384  # client connections per process (capped by the fd limit)
+    max_pipeline: int = 16  # parsed requests queued behind the one being answered
+    max_held: int = 1024  # requests held for a ready replica, per process
+    max_held_bytes: int = 64 * 1024 * 1024  # their request body bytes, in all
+    # The admin listener: a bearer token for /metrics and /snapshot; /snapshot can be off.
+    admin_token: str | None = field(default=None, repr=False)
+    admin_snapshot: bool = True

@@ -202,8 +202,15 @@ class Exchange:
             if ready_set.replicas:
                 replica = ready_set.choose(None, self)  # every replica tried: reuse one
             if replica is None:
-                self.state = WAIT_REPLICA
                 cfg = self.ctx.config
+                stats = self.ctx.stats
+                if (stats.held >= cfg.max_held
+                        or stats.held_bytes + self.body_len > cfg.max_held_bytes):
+                    self.refuse_hold()
+                    return
+                stats.held += 1
+                stats.held_bytes += self.body_len
+                self.state = WAIT_REPLICA
                 self.empty_until = min(self.ctx.now + cfg.empty_wait, self.deadline_at)
                 if cfg.hold_heartbeat and not self.heartbeat_at:
                     self.heartbeat_at = self.ctx.now + cfg.hold_heartbeat
@@ -222,7 +229,25 @@ class Exchange:
 
     def wake(self) -> None:
         if self.state == WAIT_REPLICA:
+            if self.client.departed():  # its FIN was never read (reading paused)
+                self.on_client_lost()
+                return
+            self.unhold()
+            self.state = NEW  # not held while choosing again (a refusal must not unhold)
             self.pick()
+
+    def unhold(self) -> None:
+        stats = self.ctx.stats
+        stats.held -= 1
+        stats.held_bytes -= self.body_len
+
+    def refuse_hold(self) -> None:
+        """Past --max-held or --max-held-bytes: a fast 503 instead of holding (counted)."""
+        self.ctx.stats.held_refused += 1
+        if self.body_done:
+            self.respond(http.HOLD_FULL, 503)
+        else:  # the rest of the body is still coming: close rather than read it
+            self.respond(http.HOLD_FULL_CLOSE, 503, close=True)
 
     def wants_connection(self, pool: ConnectionPool) -> bool:
         return self.state == WAIT_CONN and self.pool is pool
@@ -268,6 +293,12 @@ class Exchange:
             return  # the replica answered early; the rest of the body is discarded
         self.body_len += len(data)
         cfg = self.ctx.config
+        if self.state == WAIT_REPLICA:
+            stats = self.ctx.stats
+            stats.held_bytes += len(data)
+            if stats.held_bytes > cfg.max_held_bytes:
+                self.refuse_hold()
+                return
         if self.body_len > cfg.max_body:
             if self.state < STREAMING:
                 self.respond(http.TOO_LARGE, 413, close=True)
@@ -426,8 +457,9 @@ class Exchange:
             return
         # Only a complete `"stream": true` body from an HTTP/1.1 client (rare path: the
         # body was held in full, and this runs once per held request).
-        if not (self.body_done and self.body_whole and self.client.http11
-                and _STREAM_TRUE.search(b"".join(self.body))):
+        # Never for HEAD: a body on a HEAD response desynchronises whoever reads it.
+        if self.is_head or not (self.body_done and self.body_whole and self.client.http11
+                                and _STREAM_TRUE.search(b"".join(self.body))):
             self.heartbeat_at = float("inf")
             return
         self.sse_held = True
@@ -528,6 +560,7 @@ class Exchange:
             self.pool.cancel(self)
         elif self.state == WAIT_REPLICA:
             self.ctx.ready_set.remove_waiter(self.wake)
+            self.unhold()
 
     def respond(self, response: bytes, status: int, close: bool = False) -> None:
         """Answer with a proxy-generated response; only before any response byte was sent."""

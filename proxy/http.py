@@ -27,6 +27,12 @@ HOP_BY_HOP = frozenset(
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"expect", b"x-forwarded-proto", b"x-forwarded-host",
                              b"x-real-ip", b"forwarded"}
 
+# Underscore spellings of the headers the proxy decides itself. A CGI/WSGI replica reads
+# `X_Real_IP` and `X-Real-IP` as the same HTTP_X_REAL_IP, so a client's `X_Forwarded_For`
+# would pass for the proxy's word: a header whose name, `_` read as `-`, is one of these is
+# dropped (other underscored names pass, unlike nginx's drop-them-all default).
+UNDERSCORE_DROP = REQUEST_DROP | {b"x-forwarded-for", b"content-length"}
+
 # Connection tokens that never remove a header: framing and Host are the proxy's to decide
 # (`Connection: content-length` would otherwise unframe a body and smuggle it as a request).
 NOT_NAMEABLE = frozenset({b"keep-alive", b"close", b"content-length", b"transfer-encoding",
@@ -97,6 +103,14 @@ BAD_HOST = error_response(400, "bad_request", "a request needs exactly one valid
 BAD_TARGET = error_response(400, "bad_request", "unsupported request target", close=True)
 REQUEST_TIMEOUT = error_response(408, "request_timeout",
                                  "the request body stalled for --stream-idle-timeout", close=True)
+VERSION_REFUSED = error_response(505, "http_version_not_supported",
+                                 "only HTTP/1.0 and HTTP/1.1 are served", close=True)
+EXPECT_REFUSED = error_response(417, "expectation_failed",
+                                "only Expect: 100-continue is supported", close=True)
+HOLD_FULL = error_response(503, "overloaded", "too many requests held for a ready replica",
+                           close=False, retry_after=1)
+HOLD_FULL_CLOSE = error_response(503, "overloaded", "too many requests held for a ready "
+                                 "replica", close=True, retry_after=1)
 UPGRADE_REFUSED = error_response(501, "upgrade_not_supported",
                                  "protocol upgrades (WebSocket, CONNECT) are not proxied",
                                  close=True)

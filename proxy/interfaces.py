@@ -58,6 +58,9 @@ class ClientView(ReadingControl, Protocol):
 
     def exchange_done(self, ex: object, close: bool) -> None: ...
 
+    def departed(self) -> bool:
+        """The client left while reading was paused (then aborted); False if unknown."""
+
 
 # -- the upstream side ---------------------------------------------------------------
 

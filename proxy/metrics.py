@@ -41,6 +41,31 @@ class ProxyCollector:
         yield from self._requests()
         yield from self._replicas()
         yield from self._snapshot()
+        yield from self._bounds()
+
+    def _bounds(self) -> Iterator[Metric]:
+        """What the limits of docs/security.md ("Bounds") hold now, and what they refused."""
+        stats = self._stats
+        yield GaugeMetricFamily("sluice_client_connections", "Open client connections",
+                                value=stats.connections_open)
+        yield CounterMetricFamily("sluice_client_connections_refused",
+                                  "Connections closed at once: --max-connections reached",
+                                  value=stats.connections_refused)
+        yield CounterMetricFamily("sluice_pipeline_overflows",
+                                  "Connections that pipelined more than --max-pipeline requests "
+                                  "(closed after answering those)",
+                                  value=stats.pipeline_overflows)
+        yield GaugeMetricFamily("sluice_held_requests", "Requests held for a ready replica",
+                                value=stats.held)
+        yield GaugeMetricFamily("sluice_held_body_bytes",
+                                "Request body bytes of the held requests",
+                                value=stats.held_bytes)
+        yield CounterMetricFamily("sluice_held_refused",
+                                  "503s at once: --max-held or --max-held-bytes reached",
+                                  value=stats.held_refused)
+        yield CounterMetricFamily("sluice_held_clients_departed",
+                                  "Held requests whose client was found gone (never sent)",
+                                  value=stats.departed_while_held)
 
     def _requests(self) -> Iterator[Metric]:
         stats = self._stats

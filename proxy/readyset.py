@@ -166,6 +166,10 @@ class ReadySet:
                 del self.known[url]
                 if replica.pool is not None:
                     replica.pool.close()
+                # The prefix policy's per-replica counters (/metrics series) go with it.
+                routed = getattr(self.policy, "routed", None)
+                if isinstance(routed, dict):
+                    routed.pop(url, None)
 
     def close(self) -> None:
         for replica in self.known.values():

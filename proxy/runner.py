@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from proxy import compat
+from proxy import compat, limits, parent
 from proxy.app import CLOSE_BOUND, ProxyApp
 from proxy.config import ProxyConfig
 
@@ -65,6 +65,11 @@ def run_proxy(config: ProxyConfig) -> None:
     import uvloop
 
     watchdog: threading.Timer | None = None
+    limits.raise_nofile()
+    # A --workers worker (the supervisor never runs this): it ends with its supervisor.
+    supervisor = os.getppid() if config.workers > 1 else None
+    if supervisor is not None:
+        parent.die_with_parent()
 
     async def serve() -> None:
         nonlocal watchdog
@@ -73,12 +78,16 @@ def run_proxy(config: ProxyConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        watch = (loop.create_task(parent.watch_parent(supervisor, stop.set))
+                 if supervisor is not None else None)
         await app.start()
         try:
             await stop.wait()
             log.info("shutting down: draining in-flight requests (grace %.0fs)",
                      config.shutdown_grace)
         finally:
+            if watch is not None:
+                watch.cancel()
             limit = config.shutdown_grace + CLOSE_BOUND + WATCHDOG_SLACK
             watchdog = threading.Timer(limit, _exit_now, (limit,))
             watchdog.daemon = True

@@ -10,13 +10,22 @@ Future, no logging, no timer object.
 Timeouts are enforced by one sweeper per process (`ServerContext.tick`, every
 100 ms) that looks at absolute deadlines and progress counters, instead of a
 timer per request: here the time to read a request head and idle keep-alive
-connections; an Exchange's own deadlines in `Exchange.tick`.
+connections; an Exchange's own deadlines in `Exchange.tick`. A streaming exchange
+(whose only check is its idle timeout) is looked at every 10th tick, once a second.
 
 Request-head rules (README, "Protocol hygiene"): exactly one Host (HTTP/1.0 may
 omit it), absolute-form targets rewritten to origin-form, framing headers never
 removed by a `Connection` token, X-Forwarded-For combined with the peer
 appended, X-Real-IP set from the peer, a client's Forwarded dropped. Body bytes
 parsed from one client read go upstream in one write (`Exchange.flush_upstream`).
+
+Bounds (docs/security.md, "Bounds"): at most `max_connections` client connections
+(past it a new one is closed at once, logged once, counted, and idle ones close after
+1 s instead of their timeouts, to make room); a connection that sends nothing is
+closed after `header_timeout`; at most `max_pipeline` parsed requests wait
+behind the one being answered (past it parsing stops, and the connection closes after
+answering those, as RFC 9112 9.3.2 lets a server do); a client that left while its
+request is held with reading paused is noticed (proxy/peer.py) and never reaches a replica.
 """
 
 from __future__ import annotations
@@ -28,9 +37,9 @@ from functools import partial
 
 import httptools
 
-from proxy import http
+from proxy import http, peer
 from proxy.config import ProxyConfig
-from proxy.exchange import DONE, Exchange
+from proxy.exchange import DONE, STREAMING, WAIT_REPLICA, Exchange
 from proxy.interfaces import PAUSE_PIPELINE, Upload
 from proxy.readyset import ReadySet
 from proxy.resume import ResumableExchange, resumable_kind
@@ -62,6 +71,14 @@ def _origin_form(url: bytes) -> tuple[bytes, bytes]:
     return path, authority
 
 
+IDLE_AT_CAPACITY = 1.0  # at the cap: idle connections (silent, or kept alive) close this soon
+STREAM_SWEEP_EVERY = 10  # sweeper ticks (100 ms) between looks at a streaming exchange
+
+
+class _Overflow(Exception):
+    """Raised inside a parser callback: the pipeline is full, parse no further."""
+
+
 class _Reject(Exception):
     """Raised inside a parser callback to refuse a request with a ready response."""
 
@@ -85,24 +102,55 @@ class ServerContext:
         self.draining = False
         self.drained = asyncio.Event()  # set when draining and the last connection closed
         self.proto_header = b"X-Forwarded-Proto: " + scheme + b"\r\n"
+        self.max_connections = config.max_connections  # lowered to fit the fd limit (app.py)
+        self.at_capacity = False  # logged once until the count falls back under 90 %
+        self.ticks = 0
+        self.suspects: list[ClientConnection] = []  # held with reading paused: left?
 
     def tick(self) -> None:
         now = self.now = self.loop.time()
+        ticks = self.ticks = self.ticks + 1
+        # A streaming exchange has only its idle timeout (120 s by default) to check: once a
+        # second is enough, and skipping it inline keeps 10,000 open streams cheap to sweep.
+        streams_too = ticks % STREAM_SWEEP_EVERY == 0
         for conn in list(self.connections):
-            conn.tick(now)
+            ex = conn.current
+            if streams_too or ex is None or ex.state != STREAMING:
+                conn.tick(now)
         self.ready_set.sweep()
+        open_now = self.stats.connections_open = len(self.connections)
+        if self.at_capacity and open_now < self.max_connections * 0.9:
+            self.at_capacity = False
+            log.warning("client connections back under the cap (%d open)", open_now)
+        if self.suspects:
+            suspects, self.suspects = self.suspects, []
+            for conn in peer.departed(suspects):
+                conn.drop_departed()
+
+    def refuse(self, transport: asyncio.BaseTransport) -> None:
+        """A connection past --max-connections: closed at once, counted, logged once."""
+        self.stats.connections_refused += 1
+        transport.close()
+        if not self.at_capacity:
+            self.at_capacity = True
+            log.warning("client connections at the cap (--max-connections %d): new ones "
+                        "are closed at once, idle ones after %.0f s, until under 90 %%",
+                        self.max_connections, IDLE_AT_CAPACITY)
 
 
 class ClientConnection(asyncio.Protocol):
     __slots__ = (
+        "continue_due",
         "ctx",
         "current",
+        "fresh",
         "head_read",
         "head_started",
         "header_bytes",
         "headers",
         "http11",
         "idle_since",
+        "overflowed",
         "parser",
         "pause_mask",
         "peer",
@@ -110,6 +158,7 @@ class ClientConnection(asyncio.Protocol):
         "pending",
         "reading",
         "transport",
+        "upgrade_ignored",
         "upload",
         "url",
         "write_paused",
@@ -134,10 +183,17 @@ class ClientConnection(asyncio.Protocol):
         self.write_paused = False  # the client's transport is over its high-water mark
         self.upload: Upload | None = None  # request body bytes to send at the end of a read
         self.idle_since = ctx.now
+        self.fresh = True  # no request begun yet: --header-timeout is the idle limit
+        self.overflowed = False  # the pipeline filled up: parse nothing more, close after
+        self.upgrade_ignored = False  # an h2c upgrade request, served as HTTP/1.1
+        self.continue_due: set[Exchange] | None = None  # queued requests owed a 100 Continue
 
     # -- asyncio.Protocol ---------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if len(self.ctx.connections) >= self.ctx.max_connections:
+            self.ctx.refuse(transport)
+            return
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
@@ -150,12 +206,25 @@ class ClientConnection(asyncio.Protocol):
         continuing = self.head_started
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.reject(http.UPGRADE_REFUSED, 501)
+        except httptools.HttpParserUpgrade as exc:
+            if not self.upgrade_ignored:
+                self.reject(http.UPGRADE_REFUSED, 501)
+                return
+            # An h2c upgrade, served as HTTP/1.1 (RFC 9110 7.8: a server may ignore
+            # Upgrade). llhttp stops after that message: parse the rest with a new parser.
+            self.upgrade_ignored = False
+            self.parser = httptools.HttpRequestParser(self)
+            self.flush_upload()
+            rest = data[exc.args[0]:]
+            if rest and self.transport is not None and not self.overflowed:
+                self.data_received(rest)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if isinstance(cause, _Reject):
                 self.reject(cause.response, cause.status)
+            elif isinstance(cause, _Overflow):
+                self.flush_upload()
+                self.overflow()
             else:
                 log.error("request path bug, connection dropped", exc_info=cause)
                 if self.transport is not None:
@@ -172,6 +241,24 @@ class ClientConnection(asyncio.Protocol):
                 self.head_read += len(data)
                 if self.head_read > self.ctx.config.max_header_bytes:
                     self.reject(http.HEADERS_TOO_LARGE, 431)
+
+    def flush_upload(self) -> None:
+        upload = self.upload
+        if upload is not None:
+            self.upload = None
+            upload.flush_upstream()
+
+    def overflow(self) -> None:
+        """More pipelined requests than --max-pipeline: stop parsing; answer the queued ones,
+        the last with `Connection: close` (the client resends the rest, RFC 9112 9.3.2)."""
+        self.overflowed = True
+        self.ctx.stats.pipeline_overflows += 1
+        self.pause_reading_for(PAUSE_PIPELINE)
+        last = self.pending[-1] if self.pending else self.current
+        if last is not None:
+            last.close_after = True
+        else:
+            self.close_if_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         ctx = self.ctx
@@ -208,6 +295,7 @@ class ClientConnection(asyncio.Protocol):
     # -- llhttp callbacks -----------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.fresh = False
         self.head_started = self.ctx.loop.time()
         self.head_read = 0
         self.url = b""
@@ -228,17 +316,29 @@ class ClientConnection(asyncio.Protocol):
             raise _Reject(http.HEADERS_TOO_LARGE, 431)
 
     def on_headers_complete(self) -> None:
+        if self.current is not None and len(self.pending) >= self.ctx.config.max_pipeline:
+            raise _Overflow
         parser = self.parser
+        method: bytes = parser.get_method()
         if parser.should_upgrade():
-            raise _Reject(http.UPGRADE_REFUSED, 501)
+            self.upgrade_ignored = method != b"CONNECT" and self._only_h2c()
+            if not self.upgrade_ignored:
+                raise _Reject(http.UPGRADE_REFUSED, 501)
         started = self.head_started
         self.head_started = 0.0
-        method: bytes = parser.get_method()
-        http11 = self.http11 = parser.get_http_version() == "1.1"
+        version = parser.get_http_version()
+        http11 = self.http11 = version == "1.1"
+        if not http11 and version != "1.0":  # llhttp also reads 0.9 and 2.0 request lines
+            if version == "2.0":
+                raise _Reject(http.VERSION_REFUSED, 505)
+            raise _Reject(http.BAD_REQUEST, 400)
         keep, host, xff, chunked, length, connection, expect = self._scan_headers(http11)
         url = self.url
-        if url[:1] != b"/" and url != b"*":
-            url, host = _origin_form(url)  # absolute-form: its authority replaces Host
+        if url[:1] != b"/":
+            if url != b"*":
+                url, host = _origin_form(url)  # absolute-form: its authority replaces Host
+            elif method != b"OPTIONS":
+                raise _Reject(http.BAD_TARGET, 400)  # asterisk-form is OPTIONS' alone
         if connection is not None:
             named = http.named_hop_headers(connection)
             if named:
@@ -267,6 +367,8 @@ class ClientConnection(asyncio.Protocol):
         )
         ex.req_headers = self.headers
         self.reading = ex
+        # RFC 9110 10.1.1: a 100-continue expectation from HTTP/1.0 is ignored.
+        expect = expect and http11
         if self.current is None:
             self.current = ex
             if expect:
@@ -274,7 +376,19 @@ class ClientConnection(asyncio.Protocol):
             ex.start()
         else:
             self.pending.append(ex)
+            if expect:  # its 100 goes out when its turn comes (exchange_done)
+                if self.continue_due is None:
+                    self.continue_due = set()
+                self.continue_due.add(ex)
             self.pause_reading_for(PAUSE_PIPELINE)
+
+    def _only_h2c(self) -> bool:
+        """The request's Upgrade asks for h2c alone (served as HTTP/1.1, upgrade ignored)."""
+        tokens: set[bytes] = set()
+        for name, value in self.headers:
+            if name.lower() == b"upgrade":
+                tokens |= http.connection_tokens(value)
+        return tokens == {b"h2c"}
 
     def _scan_headers(self, http11: bool) -> tuple[
             list[bytes], bytes, bytes, bytes, int, list[bytes] | None, bool]:
@@ -304,7 +418,10 @@ class ClientConnection(asyncio.Protocol):
                 elif lname == b"transfer-encoding":
                     chunked = chunked + b", " + value if chunked else value
                 elif lname == b"expect":
-                    expect = value.lower() == b"100-continue"
+                    # RFC 9110 10.1.1: an expectation other than 100-continue gets 417.
+                    if value.strip().lower() != b"100-continue":
+                        raise _Reject(http.EXPECT_REFUSED, 417)
+                    expect = True
                 elif lname == b"connection":
                     if connection is None:
                         connection = [value]
@@ -320,6 +437,8 @@ class ClientConnection(asyncio.Protocol):
             elif lname == b"x-forwarded-for":
                 xff += value + b", "  # every one, in order; the peer goes last
                 continue
+            elif b"_" in lname and lname.replace(b"_", b"-") in http.UNDERSCORE_DROP:
+                continue  # X_Real_IP would reach a WSGI replica as HTTP_X_REAL_IP
             keep.append(b"%s: %s\r\n" % (name, value))
         # Ambiguous framing is the root of request smuggling: refuse it outright.
         if n_length > 1 or (n_length and chunked):
@@ -374,8 +493,13 @@ class ClientConnection(asyncio.Protocol):
         if self.pending:
             nxt = self.pending.popleft()
             self.current = nxt
-            if not self.pending:
+            if not self.pending and not self.overflowed:
                 self.resume_reading_for(PAUSE_PIPELINE)
+            due = self.continue_due
+            if due is not None and nxt in due:
+                due.discard(nxt)
+                if not nxt.body_done:
+                    transport.write(http.CONTINUE_100)
             nxt.start()
         else:
             self.idle_since = self.ctx.now
@@ -395,10 +519,25 @@ class ClientConnection(asyncio.Protocol):
         if self.current is None and self.reading is None and self.transport is not None:
             self.transport.close()
 
+    def departed(self) -> bool:
+        """True (and the connection aborted) when the client left while its reading is
+        paused, so its EOF was never read; for a held request about to be sent."""
+        if not self.pause_mask or self.transport is None or not peer.departed([self]):
+            return False
+        self.drop_departed()
+        return True
+
+    def drop_departed(self) -> None:
+        self.ctx.stats.departed_while_held += 1
+        if self.transport is not None:
+            self.transport.abort()
+
     def tick(self, now: float) -> None:
         ex = self.current
         if ex is not None:
             ex.tick(now)
+            if self.pause_mask and ex.state == WAIT_REPLICA and self.ctx.ticks % 10 == 0:
+                self.ctx.suspects.append(self)  # checked in one poll by ServerContext.tick
             return
         transport = self.transport
         if transport is None:
@@ -407,5 +546,10 @@ class ClientConnection(asyncio.Protocol):
         if self.head_started:
             if now - self.head_started > cfg.header_timeout:
                 transport.abort()  # slowloris: the head never completed
-        elif now - self.idle_since > cfg.keepalive_timeout:
-            transport.close()
+        else:
+            idle = now - self.idle_since
+            if idle > (cfg.header_timeout if self.fresh else cfg.keepalive_timeout) or (
+                    idle > IDLE_AT_CAPACITY and self.ctx.at_capacity):
+                # Idle: not a byte since the accept, or since the last response. At the cap,
+                # idle ones make room for clients with requests (as nginx reuses them).
+                transport.close()

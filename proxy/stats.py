@@ -42,6 +42,14 @@ class Stats:
         self.source_connected = 0  # 1 when the source is reachable
         # Drop-in mode: request timestamps dropped unsent (older than the autoscaler's window).
         self.timestamps_dropped = 0
+        # Bounds (docs/security.md): gauges kept by the request path, refusals counted.
+        self.connections_open = 0  # set by the sweeper
+        self.connections_refused = 0  # closed at once: --max-connections reached
+        self.pipeline_overflows = 0  # connections that queued more than --max-pipeline
+        self.held = 0  # requests held for a ready replica now
+        self.held_bytes = 0  # their request body bytes
+        self.held_refused = 0  # 503 at once: --max-held or --max-held-bytes reached
+        self.departed_while_held = 0  # clients found gone while held with reading paused
 
     def count_response(self, status: int) -> None:
         responses = self.responses

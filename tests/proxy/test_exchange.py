@@ -186,6 +186,9 @@ class FakeClient:
     def exchange_done(self, ex: object, close: bool) -> None:
         self.done.append((ex, close))
 
+    def departed(self) -> bool:
+        return False  # a fake client never leaves unseen
+
     def end_read(self) -> None:
         """What ClientConnection.data_received does once a read is parsed."""
         upload, self.upload = self.upload, None
