@@ -35,6 +35,10 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     spot: bool = False
     infra: str | None = None  # where it runs, e.g. "AWS (us-east-1, us-east-1a)"; "local"
     resources: str | None = None  # e.g. "1x[Spot](g6.xlarge, L4:1) $0.40/h" (SkyPilot)
+    # SHUTTING_DOWN after being READY: draining since `status_since`, with `inflight`
+    # requests the proxies report on it (fresh reports only); None otherwise.
+    draining_since: float | None = None
+    inflight: int | None = None
 
 
 class ProxyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,6 +186,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     decision = await store.read_autoscaler(name)
     if decision is not None:
         target = decision.target
+    draining = await _draining(store, name, replicas)
     return ServiceView(
         name=record.name,
         status=record.status.value,
@@ -195,7 +200,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         ready=sum(1 for r in replicas if r.status is ReplicaStatus.READY),
         total=sum(1 for r in replicas if r.status not in GONE),
         generation=state.generation,
-        replicas=[_replica_view(r) for r in replicas],
+        replicas=[_replica_view(r, draining) for r in replicas],
         last_failure=last_failure,
         launch_blocked=_launch_blocked(record, replicas, last_failure),
         autoscaling=autoscaling,
@@ -238,8 +243,27 @@ async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int 
     return Autoscaler(policy, now=0.0).describe(), policy.min_replicas
 
 
-def _replica_view(r: ReplicaRecord) -> ReplicaView:
+#: An in-flight report older than this (by the proxy's clock) is not counted in status.
+_INFLIGHT_FRESH_SECONDS = 5.0
+
+
+async def _draining(store: Store, name: str, replicas: list[ReplicaRecord]) -> dict[int, int]:
+    """Replica id -> requests in flight on it, for the replicas that drain."""
+    urls = {r.id: r.url for r in replicas
+            if r.status is ReplicaStatus.SHUTTING_DOWN and r.first_ready_at and r.url}
+    if not urls:
+        return {}
+    now = time.time()
+    fresh = [e for e in (await store.read_inflight(name)).values()
+             if now - e.at <= _INFLIGHT_FRESH_SECONDS]
+    return {i: sum(max(0, e.replicas.get(url, 0)) for e in fresh) for i, url in urls.items()}
+
+
+def _replica_view(r: ReplicaRecord, draining: dict[int, int] | None = None) -> ReplicaView:
+    inflight = (draining or {}).get(r.id)
     return ReplicaView(
+        draining_since=r.status_since if inflight is not None else None,
+        inflight=inflight,
         id=r.id,
         version=r.version,
         url=r.url,

@@ -154,6 +154,9 @@ class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """`service.sluice`: options only sluice reads (a Sky Serve YAML has none)."""
 
     prefix: PrefixRouting | None = None
+    # The longest a leaving replica is kept while proxies still have requests on it
+    # (None: the controller's --drain-seconds, 120 s by default).
+    max_drain_seconds: Annotated[float, Meta(ge=0, le=86400)] | None = None
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
