@@ -37,6 +37,7 @@ import re
 from typing import TYPE_CHECKING, Protocol
 
 from proxy import http
+from proxy.cuts import record_cut
 from proxy.interfaces import (
     PAUSE_BODY_BUFFER,
     PAUSE_UPSTREAM,
@@ -114,6 +115,7 @@ class Exchange:
         "progress_at",
         "replica",
         "req_headers",
+        "resp_bytes",
         "resp_chunked",
         "route_key",
         "seen_progress",
@@ -169,6 +171,7 @@ class Exchange:
         self.last_error = "none"
         # -- the response relayed to the client
         self.status = 0
+        self.resp_bytes = 0  # response body bytes relayed (for a cut's log line)
         self.out: list[bytes] = []  # response bytes not yet written to the client
         self.resp_chunked = False  # we chunk the body for the client
         self.close_after = not keep_alive  # close the client connection after this response
@@ -272,7 +275,7 @@ class Exchange:
             if self.state < STREAMING:
                 self.respond(http.TOO_LARGE, 413, close=True)
             else:
-                self.cut()
+                self.cut("request_too_large")
             return
         self.progress += 1
         conn = self.upstream
@@ -436,6 +439,7 @@ class Exchange:
 
     def on_response_body(self, data: bytes) -> None:
         self.progress += 1
+        self.resp_bytes += len(data)
         if self.discard_body:
             return
         if self.resp_chunked:
@@ -468,17 +472,18 @@ class Exchange:
     def on_upstream_error(self, error: str) -> None:
         """The replica broke a limit (oversized headers or trailers): 502, or cut if started."""
         if self.state == STREAMING:
-            self.cut()
+            self.cut("upstream_error")
         else:
             self.last_error = error
             self.respond(http.bad_gateway(error), 502)
 
-    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None:
+    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool,
+                         reset: bool = False) -> None:
         self.upstream = None
         if self.state == STREAMING or in_response:
             # Cut after the first byte: never retried; end the client's stream visibly.
             self.flush_client()
-            self.ctx.stats.count_response(self.status)
+            self.record_cut("upstream_reset" if reset else "upstream_eof")
             self.finish(True)
             return
         self.last_error = "UpstreamResetError"  # the name clients see in the 502 detail
@@ -542,12 +547,22 @@ class Exchange:
         self.ctx.stats.count_response(status)
         self.finish(close or self.close_after)
 
-    def cut(self) -> None:
+    def cut(self, cause: str) -> None:
         """End a response that already started: the client sees the connection close."""
         self.detach_upstream(abort=True)
         self.flush_client()
-        self.ctx.stats.count_response(self.status)
+        self.record_cut(cause)
         self.finish(True)
+
+    def record_cut(self, cause: str) -> None:
+        """Count and log a response cut short (proxy/cuts.py); before `finish`, which
+        forgets the replica."""
+        ctx = self.ctx
+        replica = self.replica
+        record_cut(ctx.stats, cause, service=ctx.config.service,
+                   replica=replica.url if replica is not None else "-",
+                   head_line=self.head_line, sent=self.resp_bytes,
+                   seconds=ctx.loop.time() - self.started, status=self.status)
 
     def finish(self, close: bool) -> None:
         if self.state == DONE:
@@ -573,7 +588,7 @@ class Exchange:
                 self.seen_progress = self.progress
                 self.progress_at = now
             elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
-                self.cut()
+                self.cut("idle_timeout")
         elif state == WAIT_REPLICA:
             if now >= self.deadline_at:
                 self.respond(http.DEADLINE, 504)

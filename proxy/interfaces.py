@@ -101,7 +101,8 @@ class ResponseSink(Protocol):
 
     def on_upstream_error(self, error: str) -> None: ...
 
-    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None: ...
+    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool,
+                         reset: bool = False) -> None: ...
 
 
 class ConnectionOwner(Protocol):

@@ -135,7 +135,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.in_response and not self.body_framed:
                 ex.on_response_complete(self, reusable=False)
             else:
-                ex.on_upstream_lost(self, self.in_response)
+                ex.on_upstream_lost(self, self.in_response, reset=exc is not None)
 
     def pause_writing(self) -> None:
         ex = self.exchange
