@@ -78,6 +78,6 @@ async def test_idle_timeout_and_a_reset_mid_body_are_counted_by_cause(
     assert metric(samples, CUT, cause="upstream_eof") + metric(
         samples, CUT, cause="upstream_reset") == 1
     assert metric(samples, "sluice_responses_total", code="200") == 1
-    lines = await until(lambda: len(cut_lines(proxy)) == 2 and cut_lines(proxy),
-                        what="one log line per cut")  # fmt: skip
+    await until(lambda: len(cut_lines(proxy)) == 2, what="one log line per cut")
+    lines = cut_lines(proxy)
     assert any("cause=idle_timeout" in line for line in lines)
