@@ -27,6 +27,7 @@ import logging
 import os
 import ssl
 
+from proxy.accesslog import AccessLog
 from proxy.admin import AdminServer
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
@@ -94,6 +95,13 @@ class ProxyApp:
         ctx = ServerContext(cfg, self.ready_set, self.stats,
                             b"https" if server_ssl else b"http")
         self.ctx = ctx
+        if cfg.access_log is not None:
+            access_log = AccessLog(cfg.access_log)
+            try:
+                access_log.open()
+            except OSError as exc:
+                raise ConfigError(f"cannot open the access log {cfg.access_log}: {exc}") from exc
+            ctx.access_log = access_log
         await self.source.start(self.ready_set)
         try:
             self.server = await loop.create_server(
@@ -176,6 +184,9 @@ class ProxyApp:
                     conn.transport.abort()
         await stop_tasks([self._ticker], 0.1)
         self._ticker = None
+        if ctx is not None and ctx.access_log is not None:
+            ctx.access_log.close()
+            ctx.access_log = None
         pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
         self.ready_set.close()
         waits = [pool.wait_closed() for pool in pools if isinstance(pool, ReplicaPool)]

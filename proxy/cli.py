@@ -198,6 +198,9 @@ class _ProxyCommand(click.Command):
               show_default=True, help="On SIGTERM, seconds to let in-flight requests finish.")
 @click.option("--tls-certfile", type=click.Path(dir_okay=False), help="Serve HTTPS: cert.")
 @click.option("--tls-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: key.")
+@click.option("--access-log", metavar="PATH", default=None,
+              help="Write one line per request to PATH (\"-\": stderr), in nginx's "
+              "combined format plus request time, replica and cut cause. Default: off.")
 @click.option("--log-level", default=DEFAULTS.log_level, show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="sluice", prog_name="sluice-proxy")
@@ -213,6 +216,7 @@ def proxy_command(
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
     stream_idle_timeout: float, header_timeout: float, max_body: int, shutdown_grace: float,
     tls_certfile: str | None, tls_keyfile: str | None, log_level: str,
+    access_log: str | None,
 ) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
 
@@ -243,6 +247,7 @@ def proxy_command(
         hold_heartbeat=hold_heartbeat, stream_idle_timeout=stream_idle_timeout,
         header_timeout=header_timeout, max_body=max_body, shutdown_grace=shutdown_grace,
         tls_certfile=tls_certfile, tls_keyfile=tls_keyfile, log_level=log_level.upper(),
+        access_log=access_log,
     )
     _run(config, supervise=workers > 1 and worker_index is None)
 

@@ -51,3 +51,4 @@ class ProxyConfig:
     tls_keyfile: str | None = None
     proxy_id: str | None = None
     log_level: str = "INFO"
+    access_log: str | None = None  # a path, "-" for stderr; None: off (proxy/accesslog.py)

@@ -48,6 +48,7 @@ from proxy.interfaces import (
 )
 
 if TYPE_CHECKING:
+    from proxy.accesslog import AccessLog
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
     from proxy.stats import Stats
@@ -85,6 +86,9 @@ class ExchangeContext(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    @property
+    def access_log(self) -> AccessLog | None: ...  # --access-log (None: off)
+
 
 class Exchange:
     """One request from arrival to the end of its response."""
@@ -100,6 +104,7 @@ class Exchange:
         "client",
         "close_after",
         "ctx",
+        "cut_cause",
         "deadline_at",
         "discard_body",
         "empty_until",
@@ -172,6 +177,7 @@ class Exchange:
         # -- the response relayed to the client
         self.status = 0
         self.resp_bytes = 0  # response body bytes relayed (for a cut's log line)
+        self.cut_cause: str | None = None  # why the response was cut short (proxy/cuts.py)
         self.out: list[bytes] = []  # response bytes not yet written to the client
         self.resp_chunked = False  # we chunk the body for the client
         self.close_after = not keep_alive  # close the client connection after this response
@@ -545,6 +551,7 @@ class Exchange:
             response = response[:response.index(b"\r\n\r\n") + 4]  # no body, ever, for HEAD
         self.client.write(response)
         self.ctx.stats.count_response(status)
+        self.status = status
         self.finish(close or self.close_after)
 
     def cut(self, cause: str) -> None:
@@ -559,6 +566,7 @@ class Exchange:
         forgets the replica."""
         ctx = self.ctx
         replica = self.replica
+        self.cut_cause = cause
         record_cut(ctx.stats, cause, service=ctx.config.service,
                    replica=replica.url if replica is not None else "-",
                    head_line=self.head_line, sent=self.resp_bytes,
@@ -568,17 +576,32 @@ class Exchange:
         if self.state == DONE:
             return
         self.state = DONE
+        if self.ctx.access_log is not None:
+            self.log_access()
         self.release_replica(tried=False)
         self.client.resume_reading_for(PAUSE_BODY_BUFFER | PAUSE_UPSTREAM)
         self.client.exchange_done(self, close)
+
+    def log_access(self) -> None:
+        """One access-log line (--access-log; proxy/accesslog.py); before the replica
+        is forgotten."""
+        ctx = self.ctx
+        replica = self.replica
+        ctx.access_log.record(  # type: ignore[union-attr]
+            self.client.peer, self.head_line, self.req_headers, self.status, self.resp_bytes,
+            ctx.loop.time() - self.started, replica.url if replica is not None else None,
+            self.cut_cause)  # fmt: skip
 
     def on_client_lost(self) -> None:
         """The client went away: cancel the upstream request at once (499)."""
         if self.state == DONE:
             return
         self.detach_upstream(abort=True)
-        self.release_replica(tried=False)
         self.state = DONE
+        self.status = 499
+        if self.ctx.access_log is not None:
+            self.log_access()
+        self.release_replica(tried=False)
         self.ctx.stats.count_response(499)
 
     def tick(self, now: float) -> None:

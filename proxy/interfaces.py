@@ -51,6 +51,7 @@ class ClientView(ReadingControl, Protocol):
     """The client connection as its Exchange sees it (server.ClientConnection)."""
 
     http11: bool  # the request was HTTP/1.1 (else 1.0: no chunked responses)
+    peer: bytes  # the client's address (b"": unknown)
     write_paused: bool  # the client's transport is over its high-water mark
     upload: Upload | None  # whose body bytes go upstream at the end of this read
 

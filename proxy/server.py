@@ -28,6 +28,7 @@ from collections import deque
 import httptools
 
 from proxy import http
+from proxy.accesslog import AccessLog
 from proxy.config import ProxyConfig
 from proxy.exchange import DONE, Exchange
 from proxy.interfaces import PAUSE_PIPELINE, Upload
@@ -83,12 +84,15 @@ class ServerContext:
         self.draining = False
         self.drained = asyncio.Event()  # set when draining and the last connection closed
         self.proto_header = b"X-Forwarded-Proto: " + scheme + b"\r\n"
+        self.access_log: AccessLog | None = None  # --access-log; set by the app
 
     def tick(self) -> None:
         now = self.now = self.loop.time()
         for conn in list(self.connections):
             conn.tick(now)
         self.ready_set.sweep()
+        if self.access_log is not None:
+            self.access_log.flush()
 
 
 class ClientConnection(asyncio.Protocol):

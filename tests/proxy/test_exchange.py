@@ -55,6 +55,7 @@ class FakeContext:
         self.ready_set = ReadySet(pool_factory=self._pool)
         self.stats = Stats()
         self.draining = False
+        self.access_log = None
 
     @property
     def now(self) -> float:
