@@ -31,7 +31,9 @@ The load goes on until the scenario is done and `--duration` seconds have
 passed (at least `--tail` seconds after the last change), then stops; requests
 still in flight get one request deadline to end. Then one table per scenario:
 requests sent, 2xx, non-2xx by code, requests with no answer, timed out (hung),
-cut streams, slow requests, replicas launched and terminated (the service's
+cut streams, slow requests, the long streams (`--long-streams N` of
+`--stream-seconds`, 20 s by default, kept going beside the short requests:
+completed, cut, failed; loadtests/streams.py), replicas launched and terminated (the service's
 events stream, counted from the start of the load) against what the scenario
 needs, and checks: replicas that must survive kept their pid, every replica
 launched under load served requests. `--json FILE` writes it all.
@@ -75,6 +77,7 @@ from controlplane.records import UpdateMode  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.spec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402
+from loadtests.streams import LongStreams, describe  # noqa: E402
 
 SERVICE = "llm"
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -95,7 +98,9 @@ class Options:
     load_seconds: float = 3.0
     health_delay: float = 1.0
     token_delay: float = 0.02
-    drain_seconds: float = 3.0
+    drain_seconds: float = 120.0  # the controller's maximum drain (it stops when idle)
+    long_streams: int = 6  # concurrent long streams beside the short requests
+    stream_seconds: float = 20.0  # each long stream's length
     lease_ttl: float = 3.0
     settle_timeout: float = 60.0
     keep: bool = False
@@ -239,6 +244,8 @@ class Stack:
         self.timeline: list[tuple[float, str]] = []
         self.pids: dict[int, int] = {}  # replica id -> pid, as last seen
         self.report_path = state_dir / "locust-report.json"
+        self.streams: LongStreams | None = None
+        self.stream_report: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -336,10 +343,18 @@ class Stack:
         await self._until(self._load_flowing, 60, "locust to send its first request")
         report = json.loads(self.report_path.read_text())
         self.load_started = float(report["first_sent_at"])
+        if o.long_streams:
+            self.streams = LongStreams(self.endpoint, count=o.long_streams,
+                                       seconds=o.stream_seconds, token_delay=o.token_delay,
+                                       started_at=self.load_started)  # fmt: skip
+            await self.streams.start()
 
     async def stop_load(self) -> dict[str, Any] | None:
         """SIGTERM locust (it gives requests in flight one deadline), read its report."""
         proc, self.locust = self.locust, None
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            self.stream_report = await streams.stop()
         if proc is None:
             return None
         if proc.poll() is None:
@@ -463,6 +478,9 @@ class Stack:
             for line in text.splitlines():
                 if line.startswith("sluice_upstream_retries_total"):
                     out["retries"] = int(float(line.split()[-1]))
+                elif line.startswith("sluice_responses_cut_total{"):
+                    cause = line.split('cause="', 1)[1].split('"', 1)[0]
+                    out.setdefault("cut", {})[cause] = int(float(line.split()[-1]))
                 elif line.startswith("sluice_responses_total{"):
                     code = line.split('code="', 1)[1].split('"', 1)[0]
                     out["responses"][code] = int(float(line.split()[-1]))
@@ -648,6 +666,7 @@ class Result:
     timeline: list[tuple[float, str]] = field(default_factory=list)
     state_dir: str = ""
     convergence: dict[str, Any] = field(default_factory=dict)  # redis-failover only
+    streams: dict[str, Any] = field(default_factory=dict)  # the long streams' outcomes
 
     @property
     def cut_streams(self) -> int:
@@ -657,8 +676,13 @@ class Result:
     def lost(self) -> int:
         """Requests lost, less the streams a SIGKILLed replica may cut."""
         lost = int(self.report.get("lost", 0))
-        if self.expected is not None and self.expected.cut_allowed:
+        streams = self.streams
+        cut_allowed = self.expected is not None and self.expected.cut_allowed
+        if cut_allowed:
             lost -= self.cut_streams
+        lost += streams.get("failed", 0) + streams.get("unfinished", 0)
+        if not cut_allowed:
+            lost += streams.get("cut", 0)
         return lost
 
     def to_json(self) -> dict[str, Any]:
@@ -695,6 +719,7 @@ class Result:
             "failures": _failures(r, self.report.get("first_sent_at")),
             "state_dir": self.state_dir,
             "convergence": self.convergence,
+            "long_streams": self.streams,
         }
 
 
@@ -729,6 +754,7 @@ async def run_scenario(
         await asyncio.sleep(max(options.tail, options.duration - elapsed))
         stack.mark("stopping the load")
         result.report = await stack.stop_load() or {}
+        result.streams = stack.stream_report
         result.load_seconds = time.time() - stack.load_started
         stack.mark("load stopped")
         events = await stack.events()
@@ -817,7 +843,9 @@ def table(result: Result) -> str:
         ("replicas launched", f"{row['replicas_launched']} (needed {row['expected_launched']})"),
         ("replicas terminated",
          f"{row['replicas_terminated']} (expected {row['expected_terminated']})"),
+        ("long streams", describe(row["long_streams"]) if row["long_streams"] else "none"),
         ("proxy retries", row["proxy"].get("retries", "-")),
+        ("proxy cut responses", _codes(row["proxy"].get("cut", {}))),
         ("lost", row["lost"]),
         ("result", "PASS" if result.passed else "FAIL: " + "; ".join(result.reasons)),
     ]  # fmt: skip
@@ -834,18 +862,25 @@ def table(result: Result) -> str:
             f"status={f['status']} replica={f['replica']} {f['latency']}s {f['error'] or ''}"
             for f in failures
         ]
+    cuts = (row["long_streams"] or {}).get("cuts", [])[:10]
+    if cuts:
+        lines.append("   long streams not completed (seconds from load start):")
+        lines += [f"     +{c['at']:6.2f}s {c['outcome']:<7} replica={c['replica']} "
+                  f"{c['seconds']}s {c['tokens']} tokens {c['error']}" for c in cuts]
     return "\n".join(lines)
 
 
 def summary(results: list[Result]) -> str:
     head = ("scenario", "sent", "2xx", "non-2xx", "no answer", "hung", "cut", "slow",
-            "launched", "terminated", "lost", "result")  # fmt: skip
+            "long ok", "long cut", "launched", "terminated", "lost", "result")  # fmt: skip
     rows = [head]
     for r in results:
         j = r.to_json()
         rows.append((
             r.scenario, str(j["sent"]), str(j["ok_2xx"]), _codes(j["non_2xx"]),
             _codes(j["no_answer"]), str(j["timed_out"]), str(j["cut"]), str(j["slow"]),
+            str(r.streams.get("completed", "-")),
+            str(r.streams.get("cut", 0) + r.streams.get("failed", 0)) if r.streams else "-",
             str(j["replicas_launched"]), str(j["replicas_terminated"]), str(j["lost"]),
             "PASS" if r.passed else "FAIL",
         ))  # fmt: skip
@@ -908,8 +943,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         help="seconds each /health answer takes",
     )
     p.add_argument(
-        "--drain-seconds", type=float, default=d.drain_seconds, help="the controller's drain delay"
+        "--drain-seconds", type=float, default=d.drain_seconds,
+        help="the controller's maximum drain (it stops a replica once idle)",
     )
+    p.add_argument("--long-streams", type=int, default=d.long_streams,
+                   help="concurrent long streams beside the short requests (0: none)")
+    p.add_argument("--stream-seconds", type=float, default=d.stream_seconds,
+                   help="each long stream's length, s")
     p.add_argument("--state-dir", type=Path, help="where logs go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the state dir even on success")
     a = p.parse_args(argv)  # fmt: skip
@@ -920,6 +960,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         slow=a.slow_threshold, mix=a.mix, max_tokens=a.max_tokens,
         load_seconds=a.load_seconds, health_delay=a.health_delay,
         drain_seconds=a.drain_seconds, keep=a.keep, state_root=a.state_dir,
+        long_streams=a.long_streams, stream_seconds=a.stream_seconds,
     )  # fmt: skip
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     return names, options, a.json
