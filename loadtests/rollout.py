@@ -31,8 +31,8 @@ The load goes on until the scenario is done and `--duration` seconds have
 passed (at least `--tail` seconds after the last change), then stops; requests
 still in flight get one request deadline to end. Then one table per scenario:
 requests sent, 2xx, non-2xx by code, requests with no answer, timed out (hung),
-cut streams, slow requests, the long streams (`--long-streams N` of
-`--stream-seconds`, 20 s by default, kept going beside the short requests:
+cut streams, slow requests, the long streams (`--long-streams N` at the
+start, then `--stream-rate` per second, each of `--stream-seconds`, 20 s by default:
 completed, cut, failed; loadtests/streams.py), replicas launched and terminated (the service's
 events stream, counted from the start of the load) against what the scenario
 needs, and checks: replicas that must survive kept their pid, every replica
@@ -99,7 +99,8 @@ class Options:
     health_delay: float = 1.0
     token_delay: float = 0.02
     drain_seconds: float = 120.0  # the controller's maximum drain (it stops when idle)
-    long_streams: int = 6  # concurrent long streams beside the short requests
+    long_streams: int = 6  # long streams at the start of the load
+    stream_rate: float = 0.5  # then new long streams per second
     stream_seconds: float = 20.0  # each long stream's length
     lease_ttl: float = 3.0
     settle_timeout: float = 60.0
@@ -343,9 +344,10 @@ class Stack:
         await self._until(self._load_flowing, 60, "locust to send its first request")
         report = json.loads(self.report_path.read_text())
         self.load_started = float(report["first_sent_at"])
-        if o.long_streams:
+        if o.long_streams or o.stream_rate > 0:
             self.streams = LongStreams(self.endpoint, count=o.long_streams,
-                                       seconds=o.stream_seconds, token_delay=o.token_delay,
+                                       rate=o.stream_rate, seconds=o.stream_seconds,
+                                       token_delay=o.token_delay,
                                        started_at=self.load_started)  # fmt: skip
             await self.streams.start()
 
@@ -947,7 +949,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         help="the controller's maximum drain (it stops a replica once idle)",
     )
     p.add_argument("--long-streams", type=int, default=d.long_streams,
-                   help="concurrent long streams beside the short requests (0: none)")
+                   help="long streams at the start of the load (0 and --stream-rate 0: none)")
+    p.add_argument("--stream-rate", type=float, default=d.stream_rate,
+                   help="then new long streams per second")
     p.add_argument("--stream-seconds", type=float, default=d.stream_seconds,
                    help="each long stream's length, s")
     p.add_argument("--state-dir", type=Path, help="where logs go (default: a temporary dir)")
@@ -960,7 +964,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         slow=a.slow_threshold, mix=a.mix, max_tokens=a.max_tokens,
         load_seconds=a.load_seconds, health_delay=a.health_delay,
         drain_seconds=a.drain_seconds, keep=a.keep, state_root=a.state_dir,
-        long_streams=a.long_streams, stream_seconds=a.stream_seconds,
+        long_streams=a.long_streams, stream_rate=a.stream_rate,
+        stream_seconds=a.stream_seconds,
     )  # fmt: skip
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     return names, options, a.json

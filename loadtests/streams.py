@@ -1,8 +1,8 @@
 """Long streams for the rollout matrix (loadtests/rollout.py `--long-streams N`): N
 chat-completion streams of `--stream-seconds` each (20 s by default; LLM answers run
-for tens of seconds), kept going side by side with the short requests: each one that
-ends is replaced by a new one until the load stops, and the ones in flight then are
-waited for (they are never cut by this script).
+for tens of seconds) at the start of the load, then `--stream-rate` new ones per
+second, side by side with the short requests, until the load stops; the ones in
+flight then are waited for (they are never cut by this script).
 
 Every stream is one outcome:
 - `completed`: HTTP 200, every token and `data: [DONE]`, and a clean end of the body;
@@ -48,19 +48,22 @@ class StreamStats:
 
 
 class LongStreams:
-    """`count` concurrent streams of `seconds` each against `endpoint` (see the module
-    docstring). `start()`, then `stop()` (waits for the ones in flight)."""
+    """Long streams against `endpoint` (see the module docstring): `count` at the start
+    (a quarter second apart), then `rate` new ones per second (open loop), each of
+    `seconds`. `start()`, then `stop()` (waits for the ones in flight)."""
 
-    def __init__(self, endpoint: str, *, count: int, seconds: float, token_delay: float,
-                 started_at: float) -> None:  # fmt: skip
+    def __init__(self, endpoint: str, *, count: int, rate: float, seconds: float,
+                 token_delay: float, started_at: float) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.count = count
+        self.rate = rate
         self.tokens = max(1, min(4096, round(seconds / max(token_delay, 1e-3))))
         self.seconds = seconds
         self.stats = StreamStats()
         self._started_at = started_at
         self._stopping = asyncio.Event()
-        self._workers: list[asyncio.Task[None]] = []
+        self._streams: set[asyncio.Task[None]] = set()
+        self._arrivals: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -68,17 +71,16 @@ class LongStreams:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(force_close=True, limit=0))
-        for i in range(self.count):
-            # Staggered over one stream's length, so streams end at every moment.
-            delay = self.seconds * i / self.count
-            self._workers.append(asyncio.create_task(self._worker(delay)))
+        self._arrivals = asyncio.create_task(self._arrive())
 
     async def stop(self) -> dict[str, Any]:
         """Start no new stream; wait for those in flight (at most one stream's length
         plus a margin), then close."""
         self._stopping.set()
-        if self._workers:
-            _done, pending = await asyncio.wait(self._workers, timeout=self.seconds + 30)
+        if self._arrivals is not None:
+            await self._arrivals
+        if self._streams:
+            _done, pending = await asyncio.wait(self._streams, timeout=self.seconds + 30)
             for task in pending:
                 task.cancel()
             for task in pending:
@@ -88,11 +90,28 @@ class LongStreams:
             await self._session.close()
         return self.stats.to_json()
 
-    async def _worker(self, delay: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)
-        while not self._stopping.is_set():
-            await self._one()
+    async def _arrive(self) -> None:
+        # The first `count` a quarter second apart (all in flight when the scenario
+        # changes the fleet), then `rate` per second: replicas launched later get
+        # streams too, so a scale-down's newest replica has some to drain.
+        for i in range(self.count):
+            if i and await self._stopped_within(0.25):
+                return
+            self._spawn()
+        if self.rate <= 0:
+            return
+        while not await self._stopped_within(1.0 / self.rate):
+            self._spawn()
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
+
+    def _spawn(self) -> None:
+        task = asyncio.create_task(self._one())
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
 
     async def _one(self) -> None:
         assert self._session is not None

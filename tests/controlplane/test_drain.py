@@ -173,7 +173,7 @@ async def test_a_long_stream_is_served_to_its_end_then_the_replica_stops_at_once
     replica_urls = [r.url or "" for r in view.replicas]
     before = await pids(store, "svc")
     url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc")
-    events, interval = 40, 0.25  # a 10 s stream on each replica
+    events, interval = 80, 0.25  # a 20 s stream on each replica
 
     async def stream(session: aiohttp.ClientSession) -> tuple[str, int]:
         async with session.get(f"{url}/sse?n={events}&interval={interval}") as resp:
@@ -197,7 +197,7 @@ async def test_a_long_stream_is_served_to_its_end_then_the_replica_stops_at_once
         results = await asyncio.gather(*streams)
 
     # Both streams ran to their end, the one on the leaving replica included, though
-    # a 10 s stream outlives the old fixed drain (5 s under sluice run).
+    # a 20 s stream outlives the old fixed drain (5 s under sluice run).
     assert sorted(results) == [("1", events), ("2", events)]
     # Stopped once idle: long before the 90 s bound.
     await ready_view(store, "svc", 1, timeout=15)
