@@ -23,9 +23,9 @@ log = logging.getLogger("sluice.proxy.cuts")
 #: `upstream_reset`: the connection failed with an error (RST); `idle_timeout`: no body
 #: byte for `--stream-idle-timeout`; `upstream_error`: the replica broke a limit
 #: (oversized trailers); `request_too_large`: the request body passed `--max-body`
-#: after the response had started.
+#: after the response had started; `unknown`: ended by a caller that gave no cause.
 CAUSES = ("upstream_eof", "upstream_reset", "idle_timeout", "upstream_error",
-          "request_too_large")
+          "request_too_large", "unknown")
 
 
 def record_cut(

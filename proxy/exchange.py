@@ -483,13 +483,12 @@ class Exchange:
             self.last_error = error
             self.respond(http.bad_gateway(error), 502)
 
-    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool,
-                         reset: bool = False) -> None:
+    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None:
         self.upstream = None
         if self.state == STREAMING or in_response:
             # Cut after the first byte: never retried; end the client's stream visibly.
             self.flush_client()
-            self.record_cut("upstream_reset" if reset else "upstream_eof")
+            self.record_cut("upstream_reset" if conn.reset else "upstream_eof")
             self.finish(True)
             return
         self.last_error = "UpstreamResetError"  # the name clients see in the 502 detail
@@ -554,7 +553,7 @@ class Exchange:
         self.status = status
         self.finish(close or self.close_after)
 
-    def cut(self, cause: str) -> None:
+    def cut(self, cause: str = "unknown") -> None:
         """End a response that already started: the client sees the connection close."""
         self.detach_upstream(abort=True)
         self.flush_client()

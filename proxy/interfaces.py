@@ -73,6 +73,7 @@ class UpstreamLink(Protocol):
     body_framed: bool  # False: the body ends when the connection closes
     served: int  # responses completed on this connection (0: fresh)
     paused: bool  # reading paused because the client reads slowly
+    reset: bool  # the connection was lost with an error (not a clean EOF)
 
     def send(self, data: bytes) -> None: ...
 
@@ -102,8 +103,7 @@ class ResponseSink(Protocol):
 
     def on_upstream_error(self, error: str) -> None: ...
 
-    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool,
-                         reset: bool = False) -> None: ...
+    def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None: ...
 
 
 class ConnectionOwner(Protocol):

@@ -77,6 +77,7 @@ class FakeUpstream:
         self.closed = False
         self.in_response = False
         self.body_framed = True
+        self.reset = False
         self.served = 0
         self.paused = False
         self.sent: list[bytes] = []
