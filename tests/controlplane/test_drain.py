@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from controlplane import ops
+from controlplane import display, ops
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.reconcile.drain import (
     STALE_SECONDS,
@@ -28,6 +28,7 @@ from controlplane.reconcile.drain import (
     DrainWatch,
     proxy_holds,
 )
+from controlplane.run.config import RunConfig
 from controlplane.spec import parse_spec
 from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
@@ -98,6 +99,27 @@ def test_the_generation_a_replica_left_at_is_the_lowest_seen() -> None:
     assert watch.verdict("svc", 1, URL, DrainReports(6, p, e), {"p"}).idle
     # Another replica first seen draining at 6 needs a count after 6's apply.
     assert not watch.verdict("svc", 2, URL, DrainReports(6, p, e), {"p"}).idle
+
+
+def test_sluice_run_and_the_controller_share_the_120s_bound() -> None:
+    # No 5 s default under `sluice run` that cuts streams.
+    assert RunConfig.drain_seconds == ControllerConfig.drain_seconds == 120.0
+
+
+def test_status_shows_a_draining_replica_with_its_in_flight_count() -> None:
+    view = ops.ServiceView(name="svc", status="READY", version=2, active_versions=[2],
+                           update_mode="rolling", policy="least_load", endpoint=None,
+                           created_at=0.0, uptime=1.0, ready=1, total=1, generation=3,
+                           replicas=[
+        ops.ReplicaView(id=1, version=2, url="http://h:1", status="READY", backend="local",
+                        launched_at=0.0, first_ready_at=0.0),
+        ops.ReplicaView(id=2, version=1, url="http://h:2", status="SHUTTING_DOWN",
+                        backend="local", launched_at=0.0, first_ready_at=0.0,
+                        draining_since=0.5, inflight=3),
+    ])  # fmt: skip
+    text = display.replicas_table([view], now=1.0)
+    assert "SHUTTING_DOWN (draining 3 in flight)" in text
+    assert text.count("draining") == 1
 
 
 # -- with real processes ----------------------------------------------------------------------
