@@ -58,9 +58,10 @@ STALE_SECONDS = 5.0
 SETTLE_SECONDS = 2.0
 #: How often a draining replica is looked at again (the proxies flush every second).
 POLL_SECONDS = 0.5
-#: `read_proxies` deletes heartbeats older than this by the proxies' clocks; liveness
-#: is judged here by change, so this only clears entries of long-gone proxies.
-_HEARTBEAT_GC_SECONDS = 60.0
+#: `read_proxies` deletes heartbeats older than this by the controller's clock. Liveness
+#: is judged here by change, so the drain read deletes nothing a skewed clock could
+#: make look old (`sluice status` and the hash's TTL clear long-gone proxies).
+_HEARTBEAT_GC_SECONDS = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
