@@ -83,7 +83,7 @@ def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False
         ago(r.launched_at, now),
         r.infra or _NONE,
         r.resources or _NONE,
-        r.status,
+        r.status if r.inflight is None else f"{r.status} (draining {r.inflight} in flight)",
     ]
     if verbose:
         row += [r.backend, r.accelerator or _NONE, "yes" if r.spot else "no",

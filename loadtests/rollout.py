@@ -31,7 +31,9 @@ The load goes on until the scenario is done and `--duration` seconds have
 passed (at least `--tail` seconds after the last change), then stops; requests
 still in flight get one request deadline to end. Then one table per scenario:
 requests sent, 2xx, non-2xx by code, requests with no answer, timed out (hung),
-cut streams, slow requests, replicas launched and terminated (the service's
+cut streams, slow requests, the long streams (`--long-streams N` at the
+start, then `--stream-rate` per second, each of `--stream-seconds`, 20 s by default:
+completed, cut, failed; loadtests/streams.py), replicas launched and terminated (the service's
 events stream, counted from the start of the load) against what the scenario
 needs, and checks: replicas that must survive kept their pid, every replica
 launched under load served requests. `--json FILE` writes it all.
@@ -75,6 +77,7 @@ from controlplane.records import UpdateMode  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.spec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402
+from loadtests.streams import LongStreams, describe  # noqa: E402
 
 SERVICE = "llm"
 LOCUSTFILE = REPO / "loadtests" / "locustfile.py"
@@ -95,8 +98,11 @@ class Options:
     load_seconds: float = 3.0
     health_delay: float = 1.0
     token_delay: float = 0.02
-    drain_seconds: float = 3.0
     resume_streams: bool = False  # the service's service.sluice.resume_streams
+    drain_seconds: float = 120.0  # the controller's maximum drain (it stops when idle)
+    long_streams: int = 6  # long streams at the start of the load
+    stream_rate: float = 0.5  # then new long streams per second
+    stream_seconds: float = 20.0  # each long stream's length
     lease_ttl: float = 3.0
     settle_timeout: float = 60.0
     keep: bool = False
@@ -241,6 +247,8 @@ class Stack:
         self.timeline: list[tuple[float, str]] = []
         self.pids: dict[int, int] = {}  # replica id -> pid, as last seen
         self.report_path = state_dir / "locust-report.json"
+        self.streams: LongStreams | None = None
+        self.stream_report: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -338,10 +346,19 @@ class Stack:
         await self._until(self._load_flowing, 60, "locust to send its first request")
         report = json.loads(self.report_path.read_text())
         self.load_started = float(report["first_sent_at"])
+        if o.long_streams or o.stream_rate > 0:
+            self.streams = LongStreams(self.endpoint, count=o.long_streams,
+                                       rate=o.stream_rate, seconds=o.stream_seconds,
+                                       token_delay=o.token_delay,
+                                       started_at=self.load_started)  # fmt: skip
+            await self.streams.start()
 
     async def stop_load(self) -> dict[str, Any] | None:
         """SIGTERM locust (it gives requests in flight one deadline), read its report."""
         proc, self.locust = self.locust, None
+        streams, self.streams = self.streams, None
+        if streams is not None:
+            self.stream_report = await streams.stop()
         if proc is None:
             return None
         if proc.poll() is None:
@@ -469,6 +486,9 @@ class Stack:
                     outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
                     resumes = out.setdefault("resumes", {})
                     resumes[outcome] = resumes.get(outcome, 0) + int(float(line.split()[-1]))
+                elif line.startswith("sluice_responses_cut_total{"):
+                    cause = line.split('cause="', 1)[1].split('"', 1)[0]
+                    out.setdefault("cut", {})[cause] = int(float(line.split()[-1]))
                 elif line.startswith("sluice_responses_total{"):
                     code = line.split('code="', 1)[1].split('"', 1)[0]
                     out["responses"][code] = int(float(line.split()[-1]))
@@ -656,6 +676,7 @@ class Result:
     timeline: list[tuple[float, str]] = field(default_factory=list)
     state_dir: str = ""
     convergence: dict[str, Any] = field(default_factory=dict)  # redis-failover only
+    streams: dict[str, Any] = field(default_factory=dict)  # the long streams' outcomes
 
     @property
     def cut_streams(self) -> int:
@@ -665,8 +686,13 @@ class Result:
     def lost(self) -> int:
         """Requests lost, less the streams a SIGKILLed replica may cut."""
         lost = int(self.report.get("lost", 0))
-        if self.expected is not None and self.expected.cut_allowed:
+        streams = self.streams
+        cut_allowed = self.expected is not None and self.expected.cut_allowed
+        if cut_allowed:
             lost -= self.cut_streams
+        lost += streams.get("failed", 0) + streams.get("unfinished", 0)
+        if not cut_allowed:
+            lost += streams.get("cut", 0)
         return lost
 
     def to_json(self) -> dict[str, Any]:
@@ -703,6 +729,7 @@ class Result:
             "failures": _failures(r, self.report.get("first_sent_at")),
             "state_dir": self.state_dir,
             "convergence": self.convergence,
+            "long_streams": self.streams,
         }
 
 
@@ -737,6 +764,7 @@ async def run_scenario(
         await asyncio.sleep(max(options.tail, options.duration - elapsed))
         stack.mark("stopping the load")
         result.report = await stack.stop_load() or {}
+        result.streams = stack.stream_report
         result.load_seconds = time.time() - stack.load_started
         stack.mark("load stopped")
         events = await stack.events()
@@ -825,9 +853,11 @@ def table(result: Result) -> str:
         ("replicas launched", f"{row['replicas_launched']} (needed {row['expected_launched']})"),
         ("replicas terminated",
          f"{row['replicas_terminated']} (expected {row['expected_terminated']})"),
+        ("long streams", describe(row["long_streams"]) if row["long_streams"] else "none"),
         ("proxy retries", row["proxy"].get("retries", "-")),
         ("stream resumes", ", ".join(f"{k} {v}" for k, v in
                                      row["proxy"].get("resumes", {}).items()) or "0"),
+        ("proxy cut responses", _codes(row["proxy"].get("cut", {}))),
         ("lost", row["lost"]),
         ("result", "PASS" if result.passed else "FAIL: " + "; ".join(result.reasons)),
     ]  # fmt: skip
@@ -844,18 +874,25 @@ def table(result: Result) -> str:
             f"status={f['status']} replica={f['replica']} {f['latency']}s {f['error'] or ''}"
             for f in failures
         ]
+    cuts = (row["long_streams"] or {}).get("cuts", [])[:10]
+    if cuts:
+        lines.append("   long streams not completed (seconds from load start):")
+        lines += [f"     +{c['at']:6.2f}s {c['outcome']:<7} replica={c['replica']} "
+                  f"{c['seconds']}s {c['tokens']} tokens {c['error']}" for c in cuts]
     return "\n".join(lines)
 
 
 def summary(results: list[Result]) -> str:
     head = ("scenario", "sent", "2xx", "non-2xx", "no answer", "hung", "cut", "slow",
-            "launched", "terminated", "lost", "result")  # fmt: skip
+            "long ok", "long cut", "launched", "terminated", "lost", "result")  # fmt: skip
     rows = [head]
     for r in results:
         j = r.to_json()
         rows.append((
             r.scenario, str(j["sent"]), str(j["ok_2xx"]), _codes(j["non_2xx"]),
             _codes(j["no_answer"]), str(j["timed_out"]), str(j["cut"]), str(j["slow"]),
+            str(r.streams.get("completed", "-")),
+            str(r.streams.get("cut", 0) + r.streams.get("failed", 0)) if r.streams else "-",
             str(j["replicas_launched"]), str(j["replicas_terminated"]), str(j["lost"]),
             "PASS" if r.passed else "FAIL",
         ))  # fmt: skip
@@ -918,8 +955,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         help="seconds each /health answer takes",
     )
     p.add_argument(
-        "--drain-seconds", type=float, default=d.drain_seconds, help="the controller's drain delay"
+        "--drain-seconds", type=float, default=d.drain_seconds,
+        help="the controller's maximum drain (it stops a replica once idle)",
     )
+    p.add_argument("--long-streams", type=int, default=d.long_streams,
+                   help="long streams at the start of the load (0 and --stream-rate 0: none)")
+    p.add_argument("--stream-rate", type=float, default=d.stream_rate,
+                   help="then new long streams per second")
+    p.add_argument("--stream-seconds", type=float, default=d.stream_seconds,
+                   help="each long stream's length, s")
     p.add_argument("--state-dir", type=Path, help="where logs go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the state dir even on success")
     p.add_argument("--resume-streams", action="store_true",
@@ -933,6 +977,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         load_seconds=a.load_seconds, health_delay=a.health_delay,
         drain_seconds=a.drain_seconds, keep=a.keep, state_root=a.state_dir,
         resume_streams=a.resume_streams,
+        long_streams=a.long_streams, stream_rate=a.stream_rate,
+        stream_seconds=a.stream_seconds,
     )  # fmt: skip
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     return names, options, a.json

@@ -28,6 +28,7 @@ import os
 import ssl
 
 from proxy import limits
+from proxy.accesslog import AccessLog
 from proxy.admin import AdminServer
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
@@ -100,6 +101,13 @@ class ProxyApp:
         if ctx.max_connections < cfg.max_connections:
             log.warning("--max-connections %d lowered to %d: the file-descriptor limit holds "
                         "two per connection", cfg.max_connections, ctx.max_connections)
+        if cfg.access_log is not None:
+            access_log = AccessLog(cfg.access_log)
+            try:
+                access_log.open()
+            except OSError as exc:
+                raise ConfigError(f"cannot open the access log {cfg.access_log}: {exc}") from exc
+            ctx.access_log = access_log
         await self.source.start(self.ready_set)
         try:
             self.server = await loop.create_server(
@@ -182,6 +190,9 @@ class ProxyApp:
                     conn.transport.abort()
         await stop_tasks([self._ticker], 0.1)
         self._ticker = None
+        if ctx is not None and ctx.access_log is not None:
+            ctx.access_log.close()
+            ctx.access_log = None
         pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
         self.ready_set.close()
         waits = [pool.wait_closed() for pool in pools if isinstance(pool, ReplicaPool)]

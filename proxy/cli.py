@@ -222,6 +222,9 @@ class _ProxyCommand(click.Command):
                    "by env, not argv (argv is visible to every user). Env: SLUICE_ADMIN_TOKEN.")
 @click.option("--admin-snapshot/--no-admin-snapshot", default=DEFAULTS.admin_snapshot,
               show_default=True, help="Serve /snapshot on the admin port (off: /metrics only).")
+@click.option("--access-log", metavar="PATH", default=None,
+              help="Write one line per request to PATH (\"-\": stderr), in nginx's "
+              "combined format plus request time, replica and cut cause. Default: off.")
 @click.option("--log-level", default=DEFAULTS.log_level, show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.version_option(package_name="sluice", prog_name="sluice-proxy")
@@ -240,6 +243,7 @@ def proxy_command(
     tls_certfile: str | None, tls_keyfile: str | None, log_level: str,
     max_connections: int, max_pipeline: int, max_held: int, max_held_bytes: int,
     admin_token: str | None, admin_snapshot: bool,
+    access_log: str | None,
 ) -> None:
     """sluice-proxy: a fast load-balancing proxy for replicated model servers.
 
@@ -274,6 +278,7 @@ def proxy_command(
         max_connections=max_connections, max_pipeline=max_pipeline, max_held=max_held,
         max_held_bytes=max_held_bytes, admin_token=admin_token or None,
         admin_snapshot=admin_snapshot,
+        access_log=access_log,
     )
     _run(config, supervise=workers > 1 and worker_index is None)
 

@@ -63,3 +63,4 @@ class ProxyConfig:
     # The admin listener: a bearer token for /metrics and /snapshot; /snapshot can be off.
     admin_token: str | None = field(default=None, repr=False)
     admin_snapshot: bool = True
+    access_log: str | None = None  # a path, "-" for stderr; None: off (proxy/accesslog.py)

@@ -37,6 +37,7 @@ import re
 from typing import TYPE_CHECKING, Protocol
 
 from proxy import http
+from proxy.cuts import record_cut
 from proxy.interfaces import (
     PAUSE_BODY_BUFFER,
     PAUSE_UPSTREAM,
@@ -47,6 +48,7 @@ from proxy.interfaces import (
 )
 
 if TYPE_CHECKING:
+    from proxy.accesslog import AccessLog
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
     from proxy.stats import Stats
@@ -84,6 +86,9 @@ class ExchangeContext(Protocol):
     @property
     def draining(self) -> bool: ...
 
+    @property
+    def access_log(self) -> AccessLog | None: ...  # --access-log (None: off)
+
 
 class Exchange:
     """One request from arrival to the end of its response."""
@@ -99,6 +104,7 @@ class Exchange:
         "client",
         "close_after",
         "ctx",
+        "cut_cause",
         "deadline_at",
         "discard_body",
         "empty_until",
@@ -114,6 +120,7 @@ class Exchange:
         "progress_at",
         "replica",
         "req_headers",
+        "resp_bytes",
         "resp_chunked",
         "route_key",
         "seen_progress",
@@ -169,6 +176,8 @@ class Exchange:
         self.last_error = "none"
         # -- the response relayed to the client
         self.status = 0
+        self.resp_bytes = 0  # response body bytes relayed (for a cut's log line)
+        self.cut_cause: str | None = None  # why the response was cut short (proxy/cuts.py)
         self.out: list[bytes] = []  # response bytes not yet written to the client
         self.resp_chunked = False  # we chunk the body for the client
         self.close_after = not keep_alive  # close the client connection after this response
@@ -303,7 +312,7 @@ class Exchange:
             if self.state < STREAMING:
                 self.respond(http.TOO_LARGE, 413, close=True)
             else:
-                self.cut()
+                self.cut("request_too_large")
             return
         self.progress += 1
         conn = self.upstream
@@ -468,6 +477,7 @@ class Exchange:
 
     def on_response_body(self, data: bytes) -> None:
         self.progress += 1
+        self.resp_bytes += len(data)
         if self.discard_body:
             return
         if self.resp_chunked:
@@ -500,7 +510,7 @@ class Exchange:
     def on_upstream_error(self, error: str) -> None:
         """The replica broke a limit (oversized headers or trailers): 502, or cut if started."""
         if self.state == STREAMING:
-            self.cut()
+            self.cut("upstream_error")
         else:
             self.last_error = error
             self.respond(http.bad_gateway(error), 502)
@@ -510,7 +520,7 @@ class Exchange:
         if self.state == STREAMING or in_response:
             # Cut after the first byte: never retried; end the client's stream visibly.
             self.flush_client()
-            self.ctx.stats.count_response(self.status)
+            self.record_cut("upstream_reset" if conn.reset else "upstream_eof")
             self.finish(True)
             return
         self.last_error = "UpstreamResetError"  # the name clients see in the 502 detail
@@ -573,30 +583,57 @@ class Exchange:
             response = response[:response.index(b"\r\n\r\n") + 4]  # no body, ever, for HEAD
         self.client.write(response)
         self.ctx.stats.count_response(status)
+        self.status = status
         self.finish(close or self.close_after)
 
-    def cut(self) -> None:
+    def cut(self, cause: str = "unknown") -> None:
         """End a response that already started: the client sees the connection close."""
         self.detach_upstream(abort=True)
         self.flush_client()
-        self.ctx.stats.count_response(self.status)
+        self.record_cut(cause)
         self.finish(True)
+
+    def record_cut(self, cause: str) -> None:
+        """Count and log a response cut short (proxy/cuts.py); before `finish`, which
+        forgets the replica."""
+        ctx = self.ctx
+        replica = self.replica
+        self.cut_cause = cause
+        record_cut(ctx.stats, cause, service=ctx.config.service,
+                   replica=replica.url if replica is not None else "-",
+                   head_line=self.head_line, sent=self.resp_bytes,
+                   seconds=ctx.loop.time() - self.started, status=self.status)
 
     def finish(self, close: bool) -> None:
         if self.state == DONE:
             return
         self.state = DONE
+        if self.ctx.access_log is not None:
+            self.log_access()
         self.release_replica(tried=False)
         self.client.resume_reading_for(PAUSE_BODY_BUFFER | PAUSE_UPSTREAM)
         self.client.exchange_done(self, close)
+
+    def log_access(self) -> None:
+        """One access-log line (--access-log; proxy/accesslog.py); before the replica
+        is forgotten."""
+        ctx = self.ctx
+        replica = self.replica
+        ctx.access_log.record(  # type: ignore[union-attr]
+            self.client.peer, self.head_line, self.req_headers, self.status, self.resp_bytes,
+            ctx.loop.time() - self.started, replica.url if replica is not None else None,
+            self.cut_cause)  # fmt: skip
 
     def on_client_lost(self) -> None:
         """The client went away: cancel the upstream request at once (499)."""
         if self.state == DONE:
             return
         self.detach_upstream(abort=True)
-        self.release_replica(tried=False)
         self.state = DONE
+        self.status = 499
+        if self.ctx.access_log is not None:
+            self.log_access()
+        self.release_replica(tried=False)
         self.ctx.stats.count_response(499)
 
     def tick(self, now: float) -> None:
@@ -606,7 +643,7 @@ class Exchange:
                 self.seen_progress = self.progress
                 self.progress_at = now
             elif now - self.progress_at >= self.ctx.config.stream_idle_timeout:
-                self.cut()
+                self.cut("idle_timeout")
         elif state == WAIT_REPLICA:
             if now >= self.deadline_at:
                 self.respond(http.DEADLINE, 504)

@@ -51,6 +51,7 @@ class ClientView(ReadingControl, Protocol):
     """The client connection as its Exchange sees it (server.ClientConnection)."""
 
     http11: bool  # the request was HTTP/1.1 (else 1.0: no chunked responses)
+    peer: bytes  # the client's address (b"": unknown)
     write_paused: bool  # the client's transport is over its high-water mark
     upload: Upload | None  # whose body bytes go upstream at the end of this read
 
@@ -75,6 +76,7 @@ class UpstreamLink(Protocol):
     body_framed: bool  # False: the body ends when the connection closes
     served: int  # responses completed on this connection (0: fresh)
     paused: bool  # reading paused because the client reads slowly
+    reset: bool  # the connection was lost with an error (not a clean EOF)
 
     def send(self, data: bytes) -> None: ...
 

@@ -75,6 +75,12 @@ class ProxyCollector:
         for code, count in sorted(stats.responses.items()):
             responses.add_metric([str(code), self._worker], count)
         yield responses
+        cut = CounterMetricFamily(
+            "sluice_responses_cut", "Responses cut short after their head, by cause "
+            "(not counted in sluice_responses; see proxy/cuts.py)", labels=["cause", "worker"])
+        for cause, count in sorted(stats.cuts.items()):
+            cut.add_metric([cause, self._worker], count)
+        yield cut
         yield CounterMetricFamily("sluice_requests", "Requests received",
                                   value=stats.requests_total)
         yield CounterMetricFamily("sluice_upstream_attempts", "Attempts sent to replicas",

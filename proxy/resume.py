@@ -273,7 +273,7 @@ class ResumableExchange(Exchange):
         log.warning("stream cut by %s (%s) not resumed: %s", attempt[0], attempt[1], reason)
         self.continuing = False
         self.watch = False
-        Exchange.cut(self)
+        Exchange.cut(self, _CUT_CAUSE.get(attempt[1], "unknown"))
 
     def _count(self, attempt: tuple[str, str], outcome: str) -> None:
         resumes = self.ctx.stats.resumes
@@ -281,6 +281,9 @@ class ResumableExchange(Exchange):
         resumes[key] = resumes.get(key, 0) + 1
 
 
+# The resume's cause of the cut, as the cut-stream metric names it (proxy/cuts.py).
+_CUT_CAUSE = {"eof": "upstream_eof", "reset": "upstream_reset", "idle_timeout": "idle_timeout",
+              "bad_response": "upstream_error"}
 _GIVE_UP = {502: "no_replica_answered", 503: "no_ready_replica", 504: "deadline"}
 
 

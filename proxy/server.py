@@ -38,6 +38,7 @@ from functools import partial
 import httptools
 
 from proxy import http, peer
+from proxy.accesslog import AccessLog
 from proxy.config import ProxyConfig
 from proxy.exchange import DONE, STREAMING, WAIT_REPLICA, Exchange
 from proxy.interfaces import PAUSE_PIPELINE, Upload
@@ -106,6 +107,7 @@ class ServerContext:
         self.at_capacity = False  # logged once until the count falls back under 90 %
         self.ticks = 0
         self.suspects: list[ClientConnection] = []  # held with reading paused: left?
+        self.access_log: AccessLog | None = None  # --access-log; set by the app
 
     def tick(self) -> None:
         now = self.now = self.loop.time()
@@ -126,6 +128,8 @@ class ServerContext:
             suspects, self.suspects = self.suspects, []
             for conn in peer.departed(suspects):
                 conn.drop_departed()
+        if self.access_log is not None:
+            self.access_log.flush()
 
     def refuse(self, transport: asyncio.BaseTransport) -> None:
         """A connection past --max-connections: closed at once, counted, logged once."""

@@ -30,6 +30,7 @@ class Stats:
     def __init__(self) -> None:
         self.requests_total = 0  # every request received (incl. 503s); the autoscaler's input
         self.responses: dict[int, int] = {}  # status code -> count (499 = client gone)
+        self.cuts: dict[str, int] = {}  # cause -> responses cut short (proxy/cuts.py)
         self.attempts = 0
         self.retries = 0
         self.upstream_latency = Histogram()  # request start -> response complete

@@ -60,6 +60,7 @@ class UpstreamConnection(asyncio.Protocol):
         "parser",
         "paused",
         "pool",
+        "reset",
         "reset_parser",
         "served",
         "status",
@@ -82,6 +83,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.in_response = False  # headers seen, body not finished
         self.body_framed = True  # False: the body ends when the connection closes
         self.reset_parser = False
+        self.reset = False  # lost with an error (set just before on_upstream_lost)
         self.paused = False  # reading paused because the client reads slowly
 
     # -- asyncio.Protocol ---------------------------------------------------
@@ -135,6 +137,7 @@ class UpstreamConnection(asyncio.Protocol):
             if self.in_response and not self.body_framed:
                 ex.on_response_complete(self, reusable=False)
             else:
+                self.reset = exc is not None
                 ex.on_upstream_lost(self, self.in_response)
 
     def pause_writing(self) -> None:

@@ -45,11 +45,15 @@ from controlplane.run import RunConfig, run_service
     "Env: SLUICE_REDIS_URL."
 )
 @click.option(
+    "--max-drain-seconds",
     "--drain-seconds",
+    "drain_seconds",
     type=click.FloatRange(0),
     default=RunConfig.drain_seconds,
     show_default=True,
-    help="How long a replica leaving service keeps running before it is stopped.",
+    help="The longest a replica leaving service is kept while proxies still have requests "
+    "on it (it is stopped as soon as they have none); a service's "
+    "service.sluice.max_drain_seconds overrides it.",
 )
 @click.option(
     "--down-timeout",
@@ -139,11 +143,15 @@ def run(
 @click.command()
 @redis_options()
 @click.option(
+    "--max-drain-seconds",
     "--drain-seconds",
+    "drain_seconds",
     type=click.FloatRange(0),
     default=ControllerConfig.drain_seconds,
     show_default=True,
-    help="How long a replica leaving service keeps running before it is stopped.",
+    help="The longest a replica leaving service is kept while proxies still have requests "
+    "on it (it is stopped as soon as they have none); a service's "
+    "service.sluice.max_drain_seconds overrides it.",
 )
 @click.option(
     "--lease-ttl",

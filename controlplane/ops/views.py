@@ -40,6 +40,10 @@ class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
     # "replica 2 (v1): process exited with code 3 ..."; None when there was none.
     reason: str | None = None
     log: str | None = None  # the local backend's log file of the replica
+    # SHUTTING_DOWN after being READY: draining since `status_since`, with `inflight`
+    # requests the proxies report on it (fresh reports only); None otherwise.
+    draining_since: float | None = None
+    inflight: int | None = None
 
 
 class ProxyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,6 +191,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     decision = await store.read_autoscaler(name)
     if decision is not None:
         target = decision.target
+    draining = await _draining(store, name, replicas)
     return ServiceView(
         name=record.name,
         status=record.status.value,
@@ -200,7 +205,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         ready=sum(1 for r in replicas if r.status is ReplicaStatus.READY),
         total=sum(1 for r in replicas if r.status not in GONE),
         generation=state.generation,
-        replicas=[_replica_view(r, reasons.get(r.id)) for r in replicas],
+        replicas=[_replica_view(r, reasons.get(r.id), draining) for r in replicas],
         last_failure=last_failure,
         launch_blocked=_launch_blocked(record, replicas, reasons) or no_run,
         autoscaling=autoscaling,
@@ -265,8 +270,29 @@ async def _policy(store: Store, record: ServiceRecord) -> tuple[str | None, int 
     return Autoscaler(policy, now=0.0).describe(), policy.min_replicas, no_run
 
 
-def _replica_view(r: ReplicaRecord, reason: str | None = None) -> ReplicaView:
+#: An in-flight report older than this (by the proxy's clock) is not counted in status.
+_INFLIGHT_FRESH_SECONDS = 5.0
+
+
+async def _draining(store: Store, name: str, replicas: list[ReplicaRecord]) -> dict[int, int]:
+    """Replica id -> requests in flight on it, for the replicas that drain."""
+    urls = {r.id: r.url for r in replicas
+            if r.status is ReplicaStatus.SHUTTING_DOWN and r.first_ready_at and r.url}
+    if not urls:
+        return {}
+    now = time.time()
+    fresh = [e for e in (await store.read_inflight(name)).values()
+             if now - e.at <= _INFLIGHT_FRESH_SECONDS]
+    return {i: sum(max(0, e.replicas.get(url, 0)) for e in fresh) for i, url in urls.items()}
+
+
+def _replica_view(
+    r: ReplicaRecord, reason: str | None = None, draining: dict[int, int] | None = None
+) -> ReplicaView:
+    inflight = (draining or {}).get(r.id)
     return ReplicaView(
+        draining_since=r.status_since if inflight is not None else None,
+        inflight=inflight,
         id=r.id,
         version=r.version,
         url=r.url,

@@ -44,8 +44,10 @@ and written in ONE `Store.commit_with` (nothing written when nothing changed):
    had a READY replica once one of its replicas failed for good before it
    was ever ready (`rollout.gives_up_version`, Sky Serve's rule);
 6. drain and clean up: a retired replica is SHUTTING_DOWN (out of the ready
-   set) for `drain_seconds` (no drain if it never was READY), then terminated
-   and its record deleted; failed and PREEMPTED replicas are terminated at once
+   set) until no live proxy reports a request in flight on it, at most
+   `drain_seconds` or the spec's `service.sluice.max_drain_seconds` (no drain if
+   it never was READY; the rule is `controlplane.reconcile.drain`'s), then
+   terminated at once and its record deleted; failed and PREEMPTED replicas are terminated at once
    (and replaced by step 5, since they no longer count). A service
    marked SHUTTING_DOWN by `ops.down` is unregistered when no replica is left;
 7. the service status (READY, REPLICA_INIT, NO_REPLICA, FAILED).

@@ -30,8 +30,10 @@ class ControllerConfig:
     """Everything the controller needs, built once by the CLI (or a test).
 
     `state_dir` holds replica logs and handle files (`{state_dir}/{service}/`).
-    `drain_seconds`: how long a retired replica keeps running after it left the
-    ready set. `lease_ttl`: the leader lease's TTL (renewed every third of it).
+    `drain_seconds`: the longest a retired replica keeps running after it left the
+    ready set while proxies report requests on it (controlplane/reconcile/drain.py;
+    a spec's `service.sluice.max_drain_seconds` overrides it).
+    `lease_ttl`: the leader lease's TTL (renewed every third of it).
     `holder`: this controller's name in the lease (default host:pid); a random
     token is appended per process, so the lease value is unique.
     `reconcile_interval`: the longest a controller goes without a step.

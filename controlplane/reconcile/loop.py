@@ -28,13 +28,14 @@ from controlplane.reconcile.autoscaling import (
     write_step,
 )
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
+from controlplane.reconcile.drain import read_reports
 from controlplane.reconcile.journal import Journal
 from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.planner import Planner
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceState
 from controlplane.spec import ServiceSpec
-from controlplane.states import EventKind, ServiceStatus
+from controlplane.states import EventKind, ReplicaStatus, ServiceStatus
 from controlplane.store import LeaseLost, Store, StoreError, StoreUnavailable
 
 log = logging.getLogger("sluice.controller")
@@ -297,7 +298,11 @@ class Controller:
         ):
             signals = await read_signals(self._store, name, latest.service.scaling, now,
                                          qps_window=self.config.qps_window_seconds)  # fmt: skip
-        return PlanInputs(name, record, replicas, specs, signals, now)
+        drain = None
+        if any(r.status is ReplicaStatus.SHUTTING_DOWN and r.first_ready_at is not None
+               and r.url for r in replicas.values()):  # fmt: skip
+            drain = await read_reports(self._store, name, state.generation)
+        return PlanInputs(name, record, replicas, specs, signals, now, drain)
 
     # -- commit and side effects -------------------------------------------------------------
 
@@ -356,6 +361,7 @@ class Controller:
         self._unwritten.pop(name, None)
         self._autoscalers.forget(name)
         self._planner.committed(name)
+        self._planner.forget(name)
         self._prober.forget_service(name)
         for key in [k for k in self._specs if k[0] == name]:
             del self._specs[key]

@@ -14,6 +14,7 @@ import msgspec
 from controlplane.backends.base import Launched, ReplicaBackend
 from controlplane.lifecycle import Transition
 from controlplane.reconcile.autoscaling import ScaleSignals, ScaleStep
+from controlplane.reconcile.drain import DrainReports
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.spec import ServiceSpec
 from controlplane.states import EventKind, ServiceStatus
@@ -36,6 +37,7 @@ class PlanInputs:
     specs: dict[int, ServiceSpec]  # every version in the table, and the latest
     signals: ScaleSignals  # empty unless the autoscaler wants them this step
     now: float
+    drain: DrainReports | None = None  # the proxies' reports, read while a replica drains
 
 
 @dataclass

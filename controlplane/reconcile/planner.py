@@ -25,6 +25,7 @@ from controlplane.backends.base import ClusterBackend, LaunchFailed, ReplicaBack
 from controlplane.prober import ProbeResult
 from controlplane.reconcile.autoscaling import AutoscalerRegistry, ScaleStep
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber
+from controlplane.reconcile.drain import POLL_SECONDS, SETTLE_SECONDS, DrainReports, DrainWatch
 from controlplane.reconcile.plan import PlanInputs, ServicePlan
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import ReplicaRecord
@@ -69,6 +70,7 @@ class Planner:
         self._autoscalers = autoscalers
         # Probe results not yet committed (kept across a replan).
         self._probe_results: dict[str, dict[int, ProbeResult]] = {}
+        self._drain = DrainWatch()
 
     def plan(self, inputs: PlanInputs) -> ServicePlan:
         record, now = inputs.record, inputs.now
@@ -96,13 +98,23 @@ class Planner:
             plan.scale = self._autoscalers.observe(record, latest, managed, inputs.signals, now)
             plan.due(plan.scale.due)
             self._scale(plan, latest, plan.scale)
-        self._cleanup(plan)
+        self._cleanup(plan, self._max_drain(latest), inputs.drain)
         self._service_status(plan)
         return plan
 
     def committed(self, name: str) -> None:
         """The plan of `name` was committed: its probe results are recorded."""
         self._probe_results.pop(name, None)
+
+    def forget(self, name: str) -> None:
+        """Service `name` is gone: forget what its drains remembered."""
+        self._drain.forget(name)
+
+    def _max_drain(self, latest: ServiceSpec) -> float:
+        sluice = latest.service.sluice
+        if sluice is not None and sluice.max_drain_seconds is not None:
+            return sluice.max_drain_seconds
+        return self._config.drain_seconds
 
     def backend(self, replica: ReplicaRecord) -> ReplicaBackend:
         backend = self._backends.get(replica.backend)
@@ -297,22 +309,19 @@ class Planner:
 
     # 6. drain and clean up
 
-    def _cleanup(self, plan: ServicePlan) -> None:
+    def _cleanup(
+        self, plan: ServicePlan, max_drain: float, reports: DrainReports | None
+    ) -> None:
         name, now = plan.name, plan.now
         launching = self._tasks.launching(name) - set(plan.done_launches)
+        live = self._drain.live(name, reports, now) if reports is not None else set()
         for replica in list(plan.table.values()):
             if replica.id in launching or self._tasks.terminating(name, replica.id):
                 continue
             if replica.status is ReplicaStatus.SHUTTING_DOWN:
-                drain = self._config.drain_seconds if replica.first_ready_at is not None else 0.0
-                ends = (replica.status_since or now) + drain
-                exited = (
-                    bool(replica.handle)
-                    and self.backend(replica).exited(replica.handle) is not None
-                )
-                if now < ends and not exited:
-                    plan.due(ends)
+                if not self._drained(plan, replica, max_drain, reports, live):
                     continue
+                self._drain.done(name, replica.id)
                 if replica.handle and self.backend(replica).can_launch:
                     plan.terminate.append(replica.id)
                 else:
@@ -337,6 +346,56 @@ class Planner:
             and not launching
         ):
             plan.unregister = True
+
+    def _drained(
+        self,
+        plan: ServicePlan,
+        replica: ReplicaRecord,
+        max_drain: float,
+        reports: DrainReports | None,
+        live: set[str],
+    ) -> bool:
+        """Whether a SHUTTING_DOWN replica may be stopped now: it never was READY, its
+        process is gone, no live proxy holds it (controlplane.reconcile.drain), or it
+        drained for `max_drain` (a cut, recorded when requests were still in flight).
+        Otherwise the plan falls due again when it should be looked at."""
+        now = plan.now
+        if replica.first_ready_at is None or not replica.url or max_drain <= 0:
+            return True
+        if replica.handle and self.backend(replica).exited(replica.handle) is not None:
+            return True
+        since = replica.status_since or now
+        bound = since + max_drain
+        settled = since + min(SETTLE_SECONDS, max_drain)
+        # Only a retirement already committed is judged: the snapshot read with the
+        # reports excludes it (one retired in this plan is not published yet).
+        committed = (base := plan.base.get(replica.id)) is not None and (
+            base.status is ReplicaStatus.SHUTTING_DOWN)  # fmt: skip
+        if now < settled or not committed:
+            plan.due(min(settled, bound) if now < settled else now + POLL_SECONDS)
+            return False
+        verdict = (
+            self._drain.verdict(plan.name, replica.id, replica.url, reports, live)
+            if reports is not None else None
+        )  # fmt: skip
+        if verdict is not None and verdict.idle:
+            plan.event(EventKind.DRAIN, replica=replica.id, version=replica.version,
+                       reason="idle", seconds=round(now - since, 3))  # fmt: skip
+            return True
+        if now >= bound:
+            inflight = verdict.inflight if verdict is not None else -1
+            log.warning(
+                "service %s: replica %d stopped at the maximum drain (%gs) with %s "
+                "request(s) in flight (proxies holding it: %s)", plan.name, replica.id,
+                max_drain, inflight if inflight >= 0 else "unknown",
+                ", ".join(verdict.holders) if verdict is not None else "no reports",
+            )  # fmt: skip
+            plan.event(EventKind.DRAIN, replica=replica.id, version=replica.version,
+                       reason="max_drain", seconds=round(now - since, 3),
+                       cut=inflight)  # fmt: skip
+            return True
+        plan.due(min(now + POLL_SECONDS, bound))
+        return False
 
     # 7. service status
 

@@ -35,7 +35,7 @@ class RunConfig:
     host: str = "127.0.0.1"
     port: int = 8080  # the proxy's port; 0 picks a free one
     admin_port: int = 0  # the proxy's admin port; 0 picks a free one
-    drain_seconds: float = 5.0  # the controller's drain delay
+    drain_seconds: float = 120.0  # the controller's maximum drain (stops when idle)
     down_timeout: float = 60.0  # how long shutdown waits for the replicas to be terminated
     stop_timeout: float = 10.0  # SIGTERM -> SIGKILL, per process
     startup_timeout: float = 30.0  # for the proxy to listen

@@ -282,7 +282,7 @@ class ServiceRun:
         self._view.clear()
         if self._upped:
             self._view.message(
-                f"sluice: taking {config.name} down (replicas drain for "
+                f"sluice: taking {config.name} down (replicas drain until idle, at most "
                 f"{config.drain_seconds:g}s; Ctrl-C again to stop at once)"
             )
             try:

@@ -156,6 +156,9 @@ class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     prefix: PrefixRouting | None = None
     # Resume a stream cut by its replica on another one (proxy/resume.py, docs/resume.md).
     resume_streams: bool = False
+    # The longest a leaving replica is kept while proxies still have requests on it
+    # (None: the controller's --drain-seconds, 120 s by default).
+    max_drain_seconds: Annotated[float, Meta(ge=0, le=86400)] | None = None
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

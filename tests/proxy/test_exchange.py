@@ -55,6 +55,7 @@ class FakeContext:
         self.ready_set = ReadySet(pool_factory=self._pool)
         self.stats = Stats()
         self.draining = False
+        self.access_log = None
 
     @property
     def now(self) -> float:
@@ -76,6 +77,7 @@ class FakeUpstream:
         self.closed = False
         self.in_response = False
         self.body_framed = True
+        self.reset = False
         self.served = 0
         self.paused = False
         self.sent: list[bytes] = []

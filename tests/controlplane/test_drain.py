@@ -1,0 +1,287 @@
+"""Drain until idle (controlplane/reconcile/drain.py): the rule on its own, then with a
+real controller, real replicas, a real sluice-proxy and real Redis.
+
+The reports of a dead or stuck proxy are what such a proxy leaves in Redis: the test
+writes them there with the same structs a proxy writes (no fake proxy process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from controlplane import display, ops
+from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile.drain import (
+    STALE_SECONDS,
+    DrainReports,
+    DrainWatch,
+    proxy_holds,
+)
+from controlplane.run.config import RunConfig
+from controlplane.spec import parse_spec
+from controlplane.store import Store
+from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
+from tests.support.builders import make_spec, pid_of, ready_view
+from tests.support.controllers import Controllers, proxy_for
+from tests.support.pids import running
+from tests.support.poll import until
+from tests.support.processes import ProxyFactory
+
+URL = "http://127.0.0.1:9"
+ENCODER = msgspec.json.Encoder()
+
+
+def beat(generation: int, applied_at: float, *recent: tuple[int, float]) -> ProxyHeartbeat:
+    return ProxyHeartbeat(generation=generation, applied_at=applied_at, seen_at=applied_at,
+                          recent=list(recent))  # fmt: skip
+
+
+def entry(at: float, n: int = 0) -> InflightEntry:
+    replicas = {URL: n} if n else {}
+    return InflightEntry(at=at, total=sum(replicas.values()), replicas=replicas)
+
+
+# -- the rule ---------------------------------------------------------------------------------
+
+
+def test_a_proxy_is_clear_only_after_it_applied_the_set_without_the_replica() -> None:
+    # Still on generation 4 (the replica left at 5): it may route new requests there.
+    assert proxy_holds(URL, 5, beat(4, 10.0), entry(11.0)) == (True, 0)
+    # Applied 5 at t=10 but counted at t=9.5: the count predates the apply.
+    assert proxy_holds(URL, 5, beat(6, 12.0, (5, 10.0), (6, 12.0)), entry(9.5)) == (True, 0)
+    # Counted after the first apply of >= 5 (even if a later one came since): clear.
+    assert proxy_holds(URL, 5, beat(6, 12.0, (5, 10.0), (6, 12.0)), entry(10.5)) == (False, 0)
+    # Requests still on it.
+    assert proxy_holds(URL, 5, beat(5, 10.0), entry(11.0, n=2)) == (True, 2)
+    # No heartbeat, or no in-flight entry: nothing vouches for it.
+    assert proxy_holds(URL, 5, None, entry(11.0)) == (True, 0)
+    assert proxy_holds(URL, 5, beat(5, 10.0), None) == (True, 0)
+    # A hostile negative count neither holds nor subtracts.
+    assert proxy_holds(URL, 5, beat(5, 10.0), entry(11.0, n=-3)) == (False, 0)
+
+
+def test_a_proxy_that_joined_after_the_replica_left_holds_nothing() -> None:
+    # Its first apply was generation 7; it never had the replica (left at 5).
+    assert proxy_holds(URL, 5, beat(7, 50.0, (7, 50.0)), entry(50.5)) == (False, 0)
+
+
+def test_a_report_that_stops_changing_stops_counting() -> None:
+    watch = DrainWatch()
+    reports = DrainReports(5, {"p": beat(4, 1.0)}, {"p": entry(1.0, n=1)})
+    assert watch.live("svc", reports, now=100.0) == {"p"}  # first seen: live
+    assert watch.live("svc", reports, now=100.0 + STALE_SECONDS) == {"p"}
+    assert watch.live("svc", reports, now=100.1 + STALE_SECONDS) == set()  # unchanged: dead
+    fresh = DrainReports(5, {"p": beat(4, 2.0)}, {"p": entry(2.0, n=1)})
+    assert watch.live("svc", fresh, now=200.0) == {"p"}  # changed again: live
+    # A proxy whose clock is far off (its times in the future) is judged by change too.
+    skewed = DrainReports(5, {"q": beat(5, 1e12)}, {"q": entry(1e12, n=1)})
+    assert watch.live("svc", skewed, now=300.0) == {"q"}
+    assert watch.live("svc", skewed, now=301.0 + STALE_SECONDS) == set()
+
+
+def test_the_generation_a_replica_left_at_is_the_lowest_seen() -> None:
+    watch = DrainWatch()
+    p = {"p": beat(6, 20.0, (5, 10.0), (6, 20.0))}
+    e = {"p": entry(15.0)}  # counted after applying 5, before applying 6
+    assert watch.verdict("svc", 1, URL, DrainReports(5, p, e), {"p"}).idle
+    # A later read sees generation 6 in Redis: the replica still left at 5.
+    assert watch.verdict("svc", 1, URL, DrainReports(6, p, e), {"p"}).idle
+    # Another replica first seen draining at 6 needs a count after 6's apply.
+    assert not watch.verdict("svc", 2, URL, DrainReports(6, p, e), {"p"}).idle
+
+
+def test_sluice_run_and_the_controller_share_the_120s_bound() -> None:
+    # No 5 s default under `sluice run` that cuts streams.
+    assert RunConfig.drain_seconds == ControllerConfig.drain_seconds == 120.0
+
+
+def test_status_shows_a_draining_replica_with_its_in_flight_count() -> None:
+    view = ops.ServiceView(name="svc", status="READY", version=2, active_versions=[2],
+                           update_mode="rolling", policy="least_load", endpoint=None,
+                           created_at=0.0, uptime=1.0, ready=1, total=1, generation=3,
+                           replicas=[
+        ops.ReplicaView(id=1, version=2, url="http://h:1", status="READY", backend="local",
+                        launched_at=0.0, first_ready_at=0.0),
+        ops.ReplicaView(id=2, version=1, url="http://h:2", status="SHUTTING_DOWN",
+                        backend="local", launched_at=0.0, first_ready_at=0.0,
+                        draining_since=0.5, inflight=3),
+    ])  # fmt: skip
+    text = display.replicas_table([view], now=1.0)
+    assert "SHUTTING_DOWN (draining 3 in flight)" in text
+    assert text.count("draining") == 1
+
+
+# -- with real processes ----------------------------------------------------------------------
+
+StartController = Callable[..., Awaitable[Controller]]
+
+
+@pytest.fixture
+def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
+    return ControllerConfig(
+        redis_url=redis_url,
+        prefix=redis_prefix,
+        state_dir=tmp_path / "state",
+        drain_seconds=90.0,  # far beyond every wait below: only "idle" ends these drains
+        lease_ttl=1.0,
+        reconcile_interval=30.0,
+        term_timeout=3.0,
+        terminate_on_exit=True,
+    )
+
+
+@pytest.fixture
+async def start_controller(
+    store: Store, config: ControllerConfig
+) -> AsyncIterator[StartController]:
+    controllers = Controllers()
+
+    async def start(**overrides: Any) -> Controller:
+        return await controllers.start(store, dataclasses.replace(config, **overrides))
+
+    yield start
+    await controllers.aclose()
+
+
+async def drain_events(store: Store, name: str) -> list[dict[str, str]]:
+    return [e.fields for e in await store.events(name, count=1000) if e.kind == "drain"
+            and e.fields.get("reason") in ("idle", "max_drain")]  # fmt: skip
+
+
+async def write_report(
+    client: aioredis.Redis, store: Store, name: str, proxy_id: str, *,
+    generation: int, at: float, url: str, inflight: int,
+) -> None:  # fmt: skip
+    """What a sluice-proxy's flush writes (its heartbeat and in-flight entry)."""
+    heartbeat = ProxyHeartbeat(generation=generation, applied_at=at - 1, seen_at=at,
+                               connected=True, recent=[(generation, at - 1)])  # fmt: skip
+    counts = InflightEntry(at=at, total=inflight, replicas={url: inflight})
+    await client.hset(store.keys.proxies(name), proxy_id, ENCODER.encode(heartbeat))
+    await client.hset(store.keys.inflight(name), proxy_id, ENCODER.encode(counts))
+
+
+async def replica_inflight(replica_url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(f"{replica_url}/stats") as resp:
+        n: int = (await resp.json())["in_flight"]
+        return n
+
+
+async def pids(store: Store, name: str) -> dict[int, int]:
+    return {i: pid_of(r) for i, r in (await store.replicas(name)).items() if r.handle}
+
+
+@pytest.mark.slow
+async def test_a_long_stream_is_served_to_its_end_then_the_replica_stops_at_once(
+    store: Store,
+    redis_url: str,
+    redis_prefix: str,
+    start_controller: StartController,
+    proxy_factory: ProxyFactory,
+) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    view = await ready_view(store, "svc", 2)
+    replica_urls = [r.url or "" for r in view.replicas]
+    before = await pids(store, "svc")
+    url = await proxy_for(proxy_factory, redis_url, redis_prefix, "svc")
+    events, interval = 80, 0.25  # a 20 s stream on each replica
+
+    async def stream(session: aiohttp.ClientSession) -> tuple[str, int]:
+        async with session.get(f"{url}/sse?n={events}&interval={interval}") as resp:
+            body = await resp.read()
+            return resp.headers["X-Replica-Id"], body.count(b"data: ")
+
+    async with aiohttp.ClientSession() as session:
+        streams = [asyncio.create_task(stream(session)) for _ in range(2)]
+
+        async def spread() -> bool:
+            return [await replica_inflight(u) for u in replica_urls] == [1, 1]
+
+        await until(spread, timeout=5, what="one stream on each replica")
+        await ops.update(store, "svc", make_spec(1))
+        # sluice status says which replica drains, and for how many requests.
+        draining = await ops.wait_for(
+            store, "svc", lambda v: any(r.inflight for r in v.replicas), 5
+        )
+        (leaving,) = [r for r in draining.replicas if r.inflight is not None]
+        assert leaving.status == "SHUTTING_DOWN" and leaving.inflight == 1
+        # A proxy that joins while the replica drains never routed to it: it must not
+        # hold the drain (its first report is already past the generation it left at).
+        await proxy_for(proxy_factory, redis_url, redis_prefix, "svc")
+        results = await asyncio.gather(*streams)
+
+    # Both streams ran to their end, the one on the leaving replica included, though
+    # a 20 s stream outlives the old fixed drain (5 s under sluice run).
+    assert sorted(results) == [("1", events), ("2", events)]
+    # Stopped once idle: long before the 90 s bound.
+    await ready_view(store, "svc", 1, timeout=15)
+    assert not running(before[leaving.id])
+    (drained,) = await drain_events(store, "svc")
+    assert drained["reason"] == "idle" and drained["replica"] == str(leaving.id)
+
+
+async def test_a_dead_proxys_report_does_not_hold_a_drain(
+    store: Store, redis_client: aioredis.Redis, start_controller: StartController
+) -> None:
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    view = await ready_view(store, "svc", 2)
+    before = await pids(store, "svc")
+    # A proxy that died with a request on replica 2, on an old generation: its
+    # report stays in Redis and never changes again.
+    url2 = next(r.url for r in view.replicas if r.id == 2) or ""
+    await write_report(redis_client, store, "svc", "dead:1", generation=1, at=time.time(),
+                       url=url2, inflight=1)  # fmt: skip
+    await ops.update(store, "svc", make_spec(1))
+    await ops.wait_for(store, "svc", lambda v: any(r.inflight == 1 for r in v.replicas), 5)
+    # Stopped once the report went stale (STALE_SECONDS), long before the 90 s bound.
+    await ready_view(store, "svc", 1, timeout=STALE_SECONDS + 10)
+    assert not running(before[2])
+    (drained,) = await drain_events(store, "svc")
+    assert drained["reason"] == "idle"
+
+
+async def test_the_max_drain_bound_stops_a_held_replica_and_records_the_cut(
+    store: Store, redis_client: aioredis.Redis, start_controller: StartController
+) -> None:
+    await start_controller()
+    spec = make_spec(2)
+    await ops.up(store, "svc", spec)
+    view = await ready_view(store, "svc", 2)
+    before = await pids(store, "svc")
+    url2 = next(r.url for r in view.replicas if r.id == 2) or ""
+
+    # A live proxy that keeps reporting a request on replica 2 (a stuck stream).
+    async def stuck() -> None:
+        while True:
+            generation = await store.generation("svc")
+            await write_report(redis_client, store, "svc", "stuck:1", generation=generation,
+                               at=time.time(), url=url2, inflight=1)  # fmt: skip
+            await asyncio.sleep(0.3)
+
+    reporter = asyncio.create_task(stuck())
+    try:
+        # The service's own bound (service.sluice.max_drain_seconds) beats the 90 s.
+        doc = {**msgspec.to_builtins(make_spec(1)), "service": {
+            **msgspec.to_builtins(make_spec(1).service), "sluice": {"max_drain_seconds": 2.5}}}
+        await ops.update(store, "svc", parse_spec(doc))
+        await ready_view(store, "svc", 1, timeout=20)
+    finally:
+        reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter
+    assert not running(before[2])
+    (drained,) = await drain_events(store, "svc")
+    assert drained["reason"] == "max_drain" and drained["cut"] == "1"
+    assert drained["replica"] == "2"
