@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.support.redis_fixtures",
     "tests.support.processes",
+    "tests.support.llama",
 ]

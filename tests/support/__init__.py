@@ -10,6 +10,8 @@ Fixtures (registered as pytest plugins by tests/conftest.py):
 - `redis_fixtures`: a real redis-server, clients, a Store, Redis and Sentinel factories.
 - `processes`: replica and proxy processes (`replica_factory`, `proxy_factory`) and
   blocking HTTP(S) GETs.
+- `llama`: real llama.cpp engines (`llama_factory`): a random-weight model written once
+  into a cache directory, llama-server processes, their slots, metrics and timings.
 
 Builders and drivers:
 - `builders`: ReplicaRecord / ServiceRecord / ReadySnapshot / ServiceSpec builders,
