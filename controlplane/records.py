@@ -142,6 +142,7 @@ class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     qps: float | None = None
     inflight: float | None = None
+    queue: float | None = None  # engine queue (`target_queue_length_per_replica`)
 
 
 class ServiceState(msgspec.Struct, frozen=True, kw_only=True):

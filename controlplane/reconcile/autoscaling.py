@@ -46,6 +46,8 @@ log = logging.getLogger("sluice.scaling")
 
 #: An in-flight entry older than this (proxy gone or stuck) is not counted.
 INFLIGHT_FRESH_SECONDS = 3.0
+#: An engine record older than this (scrapes failing) is not counted.
+ENGINE_FRESH_SECONDS = 5.0
 #: Every service's rps hash is trimmed to the QPS window at least this often, whether
 #: or not it autoscales on QPS (proxies write one field per second regardless).
 RPS_TRIM_INTERVAL_SECONDS = 10.0
@@ -61,6 +63,7 @@ class ScaleSignals:
 
     rps: dict[int, int] | None = None
     inflight: float | None = None
+    queue: float | None = None  # requests waiting in the engines (queue-length policies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +179,7 @@ class AutoscalerRegistry:
             service = self._services[name] = self._new(policy, record, managed, now)
         elif service.version != version:
             decision = service.autoscaler.reset(
-                policy, now, rps=signals.rps, inflight=signals.inflight
+                policy, now, rps=signals.rps, inflight=signals.inflight, queue=signals.queue
             )
             service.version = version
             service.due = now + service.autoscaler.interval
@@ -196,6 +199,7 @@ class AutoscalerRegistry:
                 inflight=signals.inflight,
                 replica_qps=replica_qps,
                 fastest_qps=fastest,
+                queue=signals.queue,
             )
             service.due = now + autoscaler.interval
         return ScaleStep(
@@ -210,7 +214,12 @@ class AutoscalerRegistry:
 async def read_signals(
     store: Store, name: str, policy: ReplicaPolicy, now: float, *, qps_window: int
 ) -> ScaleSignals:
-    """The signals `policy` scales on, as the proxies last reported them."""
+    """The signals `policy` scales on, as the proxies (or the engines) last reported them."""
+    if policy.target_queue_length_per_replica is not None:
+        view = await store.read_engines(name)
+        stats = view.replicas.values() if view is not None else ()
+        fresh = [s.queue for s in stats if now - s.at <= ENGINE_FRESH_SECONDS]
+        return ScaleSignals(queue=float(sum(fresh)))
     if policy.target_ongoing_requests is not None:
         entries = await store.read_inflight(name)
         fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
@@ -276,6 +285,7 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
     policy = autoscaler.policy
     on_inflight = policy.target_ongoing_requests is not None
     on_qps = policy.target_qps_per_replica is not None
+    on_queue = policy.target_queue_length_per_replica is not None
     return AutoscalerStatus(
         at=now,
         policy=autoscaler.describe(),
@@ -286,4 +296,5 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
         reason=decision.reason,
         qps=decision.signal if on_qps else None,
         inflight=decision.signal if on_inflight else None,
+        queue=decision.signal if on_queue else None,
     )
