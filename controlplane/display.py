@@ -87,7 +87,8 @@ def _engine_cells(e: EngineStats | None) -> list[str]:
 
     kv = _NONE if e.kv_usage is None else f"{e.kv_usage * 100:.0f}%"
     if e.kv_capacity_tokens is not None:
-        kv += f" of {e.kv_capacity_tokens}"
+        kv = f"{e.kv_capacity_tokens} tok" if e.kv_usage is None else (
+            f"{kv} of {e.kv_capacity_tokens}")
     ttft = _NONE
     if e.ttft_p50 is not None and e.ttft_p99 is not None:
         ttft = f"{e.ttft_p50 * 1000:.0f}/{e.ttft_p99 * 1000:.0f}ms"

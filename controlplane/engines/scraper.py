@@ -229,18 +229,24 @@ class EngineScraper:
         async with asyncio.timeout(budget):
             async with session.get(url, allow_redirects=False) as resp:
                 if resp.status != 200:
-                    raise ValueError(f"HTTP {resp.status}")
+                    raise ScrapeFailed(f"HTTP {resp.status}")
                 chunks, size = [], 0
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     size += len(chunk)
                     if size > self._max_bytes:
-                        raise ValueError(f"metrics page over {self._max_bytes} bytes")
+                        raise ScrapeFailed(f"metrics page over {self._max_bytes} bytes")
                     chunks.append(chunk)
         return b"".join(chunks).decode("utf-8", "replace")
+
+
+class ScrapeFailed(Exception):
+    """A page that is no metrics page (its message says why, as the record shows it)."""
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timeout"
+    if isinstance(exc, ScrapeFailed):
+        return str(exc)[:200]
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return text[:200]

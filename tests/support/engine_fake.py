@@ -198,3 +198,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
