@@ -6,9 +6,11 @@ scrapes in a row say about the interval between them (`summarize`).
 Pure: no I/O, no clock. The engine is detected from the names it serves; text with
 none of them is "unknown", never an error.
 
-Only the lines of names in `_NAMES` reach the parser: an engine's page has hundreds of
-lines (vLLM: a dozen histograms of 20-odd buckets per engine), and parsing what is
-never read is most of the cost with 100 replicas.
+Only the lines of names in `_NAMES` are read: an engine's page has hundreds of lines
+(vLLM: a dozen histograms of 20-odd buckets per engine), and parsing what is never
+read would be most of the cost with 100 replicas. The label grammar of each distinct
+series goes through prometheus_client's parser once (`_series`); then only the value
+changes (bench/engine_scrape.py has the costs).
 """
 
 from __future__ import annotations
@@ -80,21 +82,48 @@ class Sample:
         return sum(values) / len(values) if values else None
 
 
-def _wanted(text: str) -> str:
-    """The sample lines of names in `_NAMES` (comments and every other name dropped)."""
+def _wanted(text: str) -> list[tuple[str, str]]:
+    """(series, value text) of the sample lines of names in `_NAMES`; comments and every
+    other name dropped. The series is `name{labels}`: the labels end at the line's last
+    `}` (a label value may hold one; the value and timestamp never do)."""
     kept = []
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        end = len(line)
-        for sep in ("{", " "):
-            at = line.find(sep)
-            if 0 <= at < end:
-                end = at
-        if line[:end] in _NAMES:
-            kept.append(line)
-    kept.append("")
-    return "\n".join(kept)
+        brace = line.find("{")
+        space = line.find(" ")
+        if 0 <= brace < space or (brace >= 0 and space < 0):
+            if line[:brace] not in _NAMES:
+                continue
+            end = line.rfind("}") + 1
+            if end <= brace:
+                raise ValueError(f"unterminated labels in {line[:80]!r}")
+            kept.append((line[:end], line[end:]))
+        elif space > 0 and line[:space] in _NAMES:
+            kept.append((line[:space], line[space:]))
+    return kept
+
+
+#: series text -> (name, labels) as prometheus_client's parser reads it. The label
+#: grammar (escapes, quoting) is the parser's; it costs ~25 us a line, and a page's
+#: series repeat at every scrape while only their values change, so each distinct
+#: series is parsed once. Bounded: cleared when full.
+_SERIES: dict[str, tuple[str, dict[str, str]]] = {}
+_SERIES_MAX = 16384
+
+
+def _series(series: str) -> tuple[str, dict[str, str]]:
+    known = _SERIES.get(series)
+    if known is None:
+        samples = [s for f in text_string_to_metric_families(series + " 0\n")
+                   for s in f.samples]  # fmt: skip
+        if len(samples) != 1:
+            raise ValueError(f"not one sample: {series[:80]!r}")
+        known = (samples[0].name, dict(samples[0].labels))
+        if len(_SERIES) >= _SERIES_MAX:
+            _SERIES.clear()
+        _SERIES[series] = known
+    return known
 
 
 def detect(text: str) -> str:
@@ -108,29 +137,32 @@ def detect(text: str) -> str:
 def parse_metrics(text: str) -> Sample:
     """Read an engine's Prometheus text. Raises ValueError on text the parser rejects."""
     sample = Sample()
-    for family in text_string_to_metric_families(_wanted(text)):
-        for s in family.samples:
-            known = _NAMES.get(s.name)
-            value = float(s.value)
-            if known is None or not math.isfinite(value):
-                continue
-            engine, kind, key = known
-            sample.engine = engine
-            match kind:
-                case "sum":
-                    sample.sums[key] = sample.sums.get(key, 0.0) + value
-                case "mean":
-                    sample.means.setdefault(key, []).append(value)
-                case "counter":
-                    sample.counters[key] = sample.counters.get(key, 0.0) + value
-                case "bucket":
-                    le = float(s.labels.get("le", "nan"))
-                    if not math.isnan(le):
-                        sample.ttft[le] = sample.ttft.get(le, 0.0) + value
-                case "capacity":
-                    tokens = _capacity(key, s.labels, value)
-                    if tokens is not None:
-                        sample.capacity = (sample.capacity or 0) + tokens
+    for series, rest in _wanted(text):
+        name, labels = _series(series)
+        fields = rest.split()
+        if not 1 <= len(fields) <= 2:  # a value, and maybe a timestamp
+            raise ValueError(f"bad sample line for {series[:80]!r}")
+        value = float(fields[0])
+        known = _NAMES.get(name)
+        if known is None or not math.isfinite(value):
+            continue
+        engine, kind, key = known
+        sample.engine = engine
+        match kind:
+            case "sum":
+                sample.sums[key] = sample.sums.get(key, 0.0) + value
+            case "mean":
+                sample.means.setdefault(key, []).append(value)
+            case "counter":
+                sample.counters[key] = sample.counters.get(key, 0.0) + value
+            case "bucket":
+                le = float(labels.get("le", "nan"))
+                if not math.isnan(le):
+                    sample.ttft[le] = sample.ttft.get(le, 0.0) + value
+            case "capacity":
+                tokens = _capacity(key, labels, value)
+                if tokens is not None:
+                    sample.capacity = (sample.capacity or 0) + tokens
     if sample.engine == "unknown":
         sample.engine = detect(text)
     return sample

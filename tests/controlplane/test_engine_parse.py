@@ -203,3 +203,18 @@ def test_the_view_is_bounded() -> None:
 
 def test_sample_defaults_are_unknown() -> None:
     assert Sample().engine == "unknown"
+
+
+def test_label_values_with_braces_spaces_and_escapes_and_timestamps() -> None:
+    text = ('vllm:num_requests_waiting{model_name="a } b \\"q\\"",engine="0"} 4 1700000000000\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="10",x="} {"} 1\n')
+    stats = summarize(parse_metrics(text), None, 0, url="", at=0)
+    assert stats.waiting == 4.0 and stats.kv_capacity_tokens == 160
+
+
+@pytest.mark.parametrize("line", ['vllm:num_requests_waiting{engine="0" 4',
+                                  "vllm:num_requests_waiting 1 2 3",
+                                  'vllm:num_requests_waiting{engine=0} 4'])
+def test_malformed_lines_of_known_names_raise(line: str) -> None:
+    with pytest.raises(ValueError):
+        parse_metrics(line + "\n")
