@@ -352,9 +352,19 @@ class RedisSource:
             pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
             pipe.expire(self._proxies_key, self._rps_ttl)
             pipe.get(self._engines_key)
-            results = await pipe.execute()
+            results = await pipe.execute(raise_on_error=False)
+        for result in results[:-1]:
+            if isinstance(result, Exception):
+                raise result  # a counter write failed: keep the count for the next flush
         self._flushed = total
-        self._apply_engines(results[-1])
+        engines = results[-1]
+        if isinstance(engines, Exception):  # e.g. an ACL user without GET on the view
+            if not self._engines_warned:
+                log.warning("service %s: cannot read the engine view: %s", self._service,
+                            _describe(engines))  # fmt: skip
+                self._engines_warned = True
+            engines = None
+        self._apply_engines(engines)
 
     def _apply_engines(self, raw: bytes | None) -> None:
         """Set each known replica's engine record from the published view (by URL)."""
