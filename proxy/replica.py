@@ -68,6 +68,7 @@ class Replica:
     __slots__ = (
         "accelerator",
         "engine",
+        "engine_queue",
         "host",
         "host_header",
         "id",
@@ -107,6 +108,7 @@ class Replica:
         # The engine's own telemetry, as the controller last published it (None: unknown).
         # Set off the request path (proxy/sources/redis.py); policies may read it.
         self.engine: EngineStats | None = None
+        self.engine_queue = 0  # its `waiting`, with --engine-load; least_load/p2c add it
 
     def refresh(self, info: ReadyReplica) -> None:
         self.id = info.id

@@ -117,6 +117,7 @@ class RedisSource:
         self._proxies_key = keys.proxies(config.service)
         self._engines_key = keys.engines(config.service)
         self._engines_warned = False
+        self._engine_load = config.engine_load
         self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
         self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
@@ -382,8 +383,11 @@ class RedisSource:
                             self._service, dropped)  # fmt: skip
             self._engines_warned = self._engines_warned or bool(dropped)
             records = {r.url: r for r in view.replicas.values()}
+        engine_load = self._engine_load
         for url, replica in self._ready_set.known.items():
-            replica.engine = records.get(url)
+            record = replica.engine = records.get(url)
+            waiting = record.waiting if record is not None and engine_load else None
+            replica.engine_queue = int(waiting) if waiting else 0
 
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None

@@ -23,13 +23,14 @@ from tests.support.builders import registered, replica
 from tests.support.poll import until
 
 
-@pytest.fixture
+@pytest.fixture(params=[False, True], ids=["default", "engine-load"])
 async def followed(
-    store: Store, redis_url: str, redis_prefix: str
+    store: Store, redis_url: str, redis_prefix: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[tuple[ReadySet, Stats]]:
     await registered(store, spec=b"{}")
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
-    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
+    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix,
+                         engine_load=request.param)  # fmt: skip
     stats, ready_set = Stats(), ReadySet()
     source = RedisSource(config, stats, flush_interval=0.1)
     await source.start(ready_set)
@@ -43,7 +44,7 @@ def engines(ready_set: ReadySet) -> dict[int, EngineStats | None]:
 
 
 async def test_the_view_reaches_the_replicas_and_metrics(
-    store: Store, followed: tuple[ReadySet, Stats]
+    store: Store, followed: tuple[ReadySet, Stats], request: pytest.FixtureRequest
 ) -> None:
     ready_set, stats = followed
     one, two = (r.url for r in ready_set.replicas)
@@ -54,6 +55,10 @@ async def test_the_view_reaches_the_replicas_and_metrics(
     })}, ttl=10)  # fmt: skip
     await until(lambda: engines(ready_set)[1] is not None, what="the view to be applied")
     assert engines(ready_set)[1].waiting == 7  # type: ignore[union-attr]
+    # Routing counts the engine's queue only with --engine-load.
+    queues = {r.id: r.engine_queue for r in ready_set.known.values()}
+    engine_load = request.node.callspec.params["followed"]
+    assert queues == ({1: 7, 2: 0} if engine_load else {1: 0, 2: 0})
     text = render(ready_set, stats, worker=0).decode()
     labels = f'engine="vllm",replica="{one}",replica_id="1",service="svc"'  # sorted
     assert f"sluice_engine_requests_waiting{{{labels}}} 7.0" in text
