@@ -161,8 +161,8 @@ class _ProxyCommand(click.Command):
               help="prefix policy: entries of the longest-prefix memory. "
                    f"[default: {PREFIX_DEFAULTS.lru_size}]")
 @click.option("--engine-load/--no-engine-load", default=DEFAULTS.engine_load, show_default=True,
-              help="least_load and p2c also count the requests waiting in each replica's "
-                   "engine, as the controller scrapes them (Redis source only; "
+              help="least_load, p2c and prefix also count the requests waiting in each "
+                   "replica's engine, as the controller scrapes them (Redis source only; "
                    "docs/engines.md).")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
