@@ -32,7 +32,11 @@ the same windows.
 Engine queue (a sluice extension, `target_queue_length_per_replica`): the raw
 target is ceil(requests waiting in the engines' own queues, summed over the READY
 replicas' fresh telemetry / target_queue_length_per_replica), with the same windows
-(KEDA's queue-length rule; docs/engines.md).
+(KEDA's average-value rule; docs/engines.md).
+
+KV-cache usage (a sluice extension, `target_kv_cache_usage_per_replica`, 0-1): the
+raw target is ceil(the READY replicas' KV usage summed / the target), so replicas at
+0.9 with a target of 0.6 ask for half as many again; the same windows.
 
 Instance-aware (`target_qps_per_replica` as an accelerator map): capacity is
 the sum of the replicas' accelerator QPS; the raw target adds replicas of the
@@ -138,6 +142,7 @@ class Autoscaler:
             p.target_qps_per_replica is not None
             or p.target_ongoing_requests is not None
             or p.target_queue_length_per_replica is not None
+            or p.target_kv_cache_usage_per_replica is not None
         )
 
     @property
@@ -158,8 +163,12 @@ class Autoscaler:
         replica_qps: Sequence[float] = (),
         fastest_qps: float | None = None,
         queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> tuple[int, float]:
         p = self._policy
+        if p.target_kv_cache_usage_per_replica is not None:
+            used = float(kv_usage or 0.0)
+            return self._clip(math.ceil(used / p.target_kv_cache_usage_per_replica - 1e-9)), used
         if p.target_queue_length_per_replica is not None:
             waiting = float(queue or 0.0)
             return self._clip(math.ceil(waiting / p.target_queue_length_per_replica)), waiting
@@ -185,12 +194,13 @@ class Autoscaler:
         replica_qps: Sequence[float] = (),
         fastest_qps: float | None = None,
         queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> Decision:
         """One decision tick. `self.current` (without overprovision) is updated."""
         p = self._policy
         raw, signal = self.raw_target(
             rps=rps, inflight=inflight, now=now, replica_qps=replica_qps,
-            fastest_qps=fastest_qps, queue=queue,
+            fastest_qps=fastest_qps, queue=queue, kv_usage=kv_usage,
         )  # fmt: skip
         history = self._history
         history.append((now, raw))
@@ -247,12 +257,14 @@ class Autoscaler:
         rps: Mapping[int, int] | None = None,
         inflight: float | None = None,
         queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> Decision:
         """An update: adopt the new policy and its computed target, forget the windows."""
         self._policy = policy
         self._history.clear()
         self._since = now
-        raw, signal = self.raw_target(rps=rps, inflight=inflight, now=now, queue=queue)
+        raw, signal = self.raw_target(rps=rps, inflight=inflight, now=now, queue=queue,
+                                      kv_usage=kv_usage)  # fmt: skip
         self.current = raw
         return Decision(
             target=self.target,
@@ -269,7 +281,9 @@ class Autoscaler:
         hi = p.max_replicas if p.max_replicas is not None else p.min_replicas
         if not self.autoscaling:
             return f"Fixed {p.min_replicas} replica{'s' if p.min_replicas != 1 else ''}"
-        if p.target_queue_length_per_replica is not None:
+        if p.target_kv_cache_usage_per_replica is not None:
+            knob = f"target KV-cache usage per replica: {p.target_kv_cache_usage_per_replica:g}"
+        elif p.target_queue_length_per_replica is not None:
             knob = f"target engine queue per replica: {p.target_queue_length_per_replica:g}"
         elif p.target_ongoing_requests is not None:
             knob = f"target ongoing requests per replica: {p.target_ongoing_requests:g}"

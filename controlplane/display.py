@@ -143,6 +143,8 @@ def scaling_line(view: ServiceView) -> str:
             line += f" ({decision.reason}, in flight {decision.inflight:g})"
         elif decision.queue is not None:
             line += f" ({decision.reason}, engine queue {decision.queue:g})"
+        elif decision.kv_usage is not None:
+            line += f" ({decision.reason}, KV usage summed {decision.kv_usage:.2f})"
         else:
             line += f" ({decision.reason})"
     return line

@@ -64,6 +64,7 @@ class ScaleSignals:
     rps: dict[int, int] | None = None
     inflight: float | None = None
     queue: float | None = None  # requests waiting in the engines (queue-length policies)
+    kv_usage: float | None = None  # the engines' KV usage summed (KV-usage policies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +180,8 @@ class AutoscalerRegistry:
             service = self._services[name] = self._new(policy, record, managed, now)
         elif service.version != version:
             decision = service.autoscaler.reset(
-                policy, now, rps=signals.rps, inflight=signals.inflight, queue=signals.queue
+                policy, now, rps=signals.rps, inflight=signals.inflight, queue=signals.queue,
+                kv_usage=signals.kv_usage,
             )
             service.version = version
             service.due = now + service.autoscaler.interval
@@ -200,6 +202,7 @@ class AutoscalerRegistry:
                 replica_qps=replica_qps,
                 fastest_qps=fastest,
                 queue=signals.queue,
+                kv_usage=signals.kv_usage,
             )
             service.due = now + autoscaler.interval
         return ScaleStep(
@@ -215,11 +218,14 @@ async def read_signals(
     store: Store, name: str, policy: ReplicaPolicy, now: float, *, qps_window: int
 ) -> ScaleSignals:
     """The signals `policy` scales on, as the proxies (or the engines) last reported them."""
-    if policy.target_queue_length_per_replica is not None:
+    on_kv = policy.target_kv_cache_usage_per_replica is not None
+    if policy.target_queue_length_per_replica is not None or on_kv:
         view = await store.read_engines(name)
         stats = view.replicas.values() if view is not None else ()
-        fresh = [s.queue for s in stats if now - s.at <= ENGINE_FRESH_SECONDS]
-        return ScaleSignals(queue=float(sum(fresh)))
+        live = [s for s in stats if now - s.at <= ENGINE_FRESH_SECONDS]
+        if on_kv:
+            return ScaleSignals(kv_usage=sum(s.kv_usage or 0.0 for s in live))
+        return ScaleSignals(queue=float(sum(s.queue for s in live)))
     if policy.target_ongoing_requests is not None:
         entries = await store.read_inflight(name)
         fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
@@ -286,6 +292,7 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
     on_inflight = policy.target_ongoing_requests is not None
     on_qps = policy.target_qps_per_replica is not None
     on_queue = policy.target_queue_length_per_replica is not None
+    on_kv = policy.target_kv_cache_usage_per_replica is not None
     return AutoscalerStatus(
         at=now,
         policy=autoscaler.describe(),
@@ -297,4 +304,5 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
         qps=decision.signal if on_qps else None,
         inflight=decision.signal if on_inflight else None,
         queue=decision.signal if on_queue else None,
+        kv_usage=decision.signal if on_kv else None,
     )

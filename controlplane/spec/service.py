@@ -71,7 +71,7 @@ class ReadinessProbe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 # The autoscaling targets, one at most (Sky Serve's first, then sluice's extensions).
 _TARGETS = ("target_qps_per_replica", "target_ongoing_requests",
-            "target_queue_length_per_replica")  # fmt: skip
+            "target_queue_length_per_replica", "target_kv_cache_usage_per_replica")  # fmt: skip
 
 
 class ReplicaPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,6 +85,8 @@ class ReplicaPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # sluice extension: autoscale on the engines' own queues (requests waiting in the
     # model servers, scraped from their metrics; docs/engines.md).
     target_queue_length_per_replica: PosFloat | None = None
+    # sluice extension: autoscale on the engines' KV-cache usage (0-1, mean per replica).
+    target_kv_cache_usage_per_replica: Annotated[float, Meta(gt=0, le=1)] | None = None
     upscale_delay_seconds: NonNegFloat = DEFAULT_UPSCALE_DELAY_SECONDS
     downscale_delay_seconds: NonNegFloat = DEFAULT_DOWNSCALE_DELAY_SECONDS
     base_ondemand_fallback_replicas: NonNegInt = 0

@@ -189,3 +189,17 @@ def test_engine_queue_target_with_the_same_windows() -> None:
     assert [s.decide(t, queue=0).target for t in (120.0, 140.0, 160.0, 180.0)] == [3, 3, 1, 1]
     # The signal is the queue, not in-flight requests or request rate.
     assert s.decide(200.0, queue=None, inflight=100, rps={199: 1000}).raw == 1
+
+
+def test_kv_cache_usage_target() -> None:
+    p = ReplicaPolicy(min_replicas=1, max_replicas=6, target_kv_cache_usage_per_replica=0.6,
+                      upscale_delay_seconds=0, downscale_delay_seconds=0)
+    s = Autoscaler(p, now=0.0, current=2)
+    assert "target KV-cache usage per replica: 0.6" in s.describe()
+    # Two replicas at 0.9: 1.8 / 0.6 = 3 replicas (exactly 3, not 4 by float error).
+    assert s.decide(0.0, kv_usage=1.8).target == 3
+    assert s.decide(20.0, kv_usage=0.5).target == 1
+    with pytest.raises(SpecError, match="target_kv_cache_usage_per_replica"):
+        parse_spec({"service": {"readiness_probe": "/", "replica_policy": {
+            "min_replicas": 1, "max_replicas": 2, "target_kv_cache_usage_per_replica": 1.5}},
+            "run": "true"})
