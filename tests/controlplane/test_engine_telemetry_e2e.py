@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import re
 import shlex
+import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from tests.support.cli import sluice
 from tests.support.controllers import Controllers, proxy_for
 from tests.support.llama import MODEL_ALIAS, binary, launch_env, model_path, unavailable
 from tests.support.poll import until
-from tests.support.processes import ProxyFactory
+from tests.support.processes import REPO, ProxyFactory
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +136,7 @@ async def test_status_and_metrics_show_each_replicas_queue_within_seconds(
     idle = await asyncio.to_thread(status_v)
     assert "ENGINE" in idle and "WAITING" in idle
 
+    started = time.monotonic()
     async with Load(url, concurrency=6):  # 2 replicas x 1 slot: 4 wait in the engines
 
         async def queued() -> bool:
@@ -142,6 +145,7 @@ async def test_status_and_metrics_show_each_replicas_queue_within_seconds(
             return len(waits) == 2 and sum(waits) >= 2
 
         await until(queued, timeout=15, what="the engines' queues in the published view")
+        in_view = time.monotonic() - started
         busy = await asyncio.to_thread(status_v)
 
         async def exported() -> bool:
@@ -152,9 +156,11 @@ async def test_status_and_metrics_show_each_replicas_queue_within_seconds(
                 waiting.values()) >= 1
 
         await until(exported, timeout=15, what="the proxy to re-export the engines' load")
+        in_metrics = time.monotonic() - started
     rows = [line for line in busy.splitlines() if "llamacpp" in line]
     assert len(rows) == 2, busy
-    print("\n" + busy)
+    print(f"\nload started: queues in the view after {in_view:.1f}s, in the proxy's /metrics "
+          f"after {in_metrics:.1f}s\n{busy}")
 
     async def drained() -> bool:
         view = (await ops.status(store, "llm"))[0]
@@ -183,3 +189,32 @@ async def test_a_queue_length_autoscaled_service_scales_up_under_a_queue_and_bac
     assert down.target == 1 and down.autoscaler is not None
     assert down.autoscaler.reason == "downscale", down.autoscaler
     assert "engine queue" in (down.autoscaling or "")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "tgi"])
+async def test_the_other_engines_formats_reach_status(
+    store: Store, redis_url: str, redis_prefix: str, start_controller: StartController,
+    engine: str,
+) -> None:  # fmt: skip
+    """Replicas serving the fake of vLLM's, SGLang's or TGI's metric format, launched by
+    the controller like any replica: `sluice status -v` names the engine."""
+    await start_controller()
+    run = (f"exec {sys.executable} -m tests.support.engine_fake --port $PORT "
+           f"--engine {engine} --slots 2")
+    doc = {"service": {"readiness_probe": PROBE, "replicas": 1}, "run": run,
+           "workdir": str(REPO)}  # fmt: skip
+    await ops.up(store, "fake", parse_spec(doc))
+    await ops.wait_for(store, "fake", lambda v: v.ready == 1, timeout=30)
+
+    async def scraped() -> bool:
+        view = (await ops.status(store, "fake"))[0]
+        return [e.engine for e in view.engines.values()] == [engine]
+
+    await until(scraped, timeout=15, what=f"the {engine} replica to be scraped")
+    result = await asyncio.to_thread(
+        sluice, "status", "fake", "-v", "--redis", redis_url, "--prefix", redis_prefix)
+    lines = result.output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("SERVICE_NAME"))
+    head, row = lines[header], lines[header + 1]
+    cells = row[head.index("ENGINE"):head.index("KV")].split()  # columns are aligned
+    assert cells == [engine, "0", "0"], result.output
