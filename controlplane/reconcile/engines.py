@@ -4,6 +4,7 @@ URL, on their version's `service.sluice.engine_metrics` (none when it is disable
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 from controlplane.engines.scraper import ScrapeTarget
 from controlplane.records import ReplicaRecord
@@ -26,6 +27,14 @@ def scrape_targets(
         sluice = spec.service.sluice if spec is not None else None
         options = sluice.engine_metrics if sluice is not None else _DEFAULT
         if options.enabled:
-            targets.append(ScrapeTarget(r.id, r.url, options.metrics_path,
+            url = r.url if options.port is None else _with_port(r.url, options.port)
+            targets.append(ScrapeTarget(r.id, url, options.metrics_path,
                                         options.interval_seconds))  # fmt: skip
     return targets
+
+
+def _with_port(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return urlunsplit((parts.scheme, f"{host}:{port}", parts.path, "", ""))

@@ -24,6 +24,9 @@ class EngineMetrics(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # None: the engines' default path (all four serve /metrics).
     path: Annotated[str, Meta(pattern=r"^/[^\s]*$", max_length=1024)] | None = None
     interval_seconds: Annotated[float, Meta(ge=0.2, le=300)] = DEFAULT_SCRAPE_INTERVAL
+    # None: the replica's own port (where all four engines serve their metrics); set it
+    # for a server that exports them on a port of its own.
+    port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
     @property
     def metrics_path(self) -> str:

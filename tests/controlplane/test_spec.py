@@ -118,10 +118,16 @@ INVALID = [
         id="metrics-path-not-absolute",
     ),
     pytest.param(
-        service_with(sluice={"engine_metrics": {"port": 9090}}),
-        "$.service.sluice.engine_metrics.port",
+        service_with(sluice={"engine_metrics": {"host": "10.0.0.1"}}),
+        "$.service.sluice.engine_metrics.host",
         "",
         id="metrics-unknown-field",
+    ),
+    pytest.param(
+        service_with(sluice={"engine_metrics": {"port": 0}}),
+        "$.service.sluice.engine_metrics.port",
+        "",
+        id="metrics-port-zero",
     ),
     pytest.param(
         service_with(replica_policy={"min_replicas": 1, "max_replicas": 3}),
