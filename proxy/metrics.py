@@ -37,6 +37,8 @@ _ENGINE_GAUGES = (
     ("kv_cache_capacity_tokens", "The engine's KV-cache size in tokens", "kv_capacity_tokens"),
     ("prefix_cache_hit_ratio", "Prompt tokens served from the engine's prefix cache over "
      "the last scrape interval (0-1)", "prefix_hit_rate"),
+    ("slots", "Sequences the engine runs at once (llama.cpp slots, SGLang max running "
+     "requests)", "slots"),
     ("generation_tokens_per_second", "Tokens the engine generated per second over the "
      "last scrape interval", "tokens_per_s"),
 )

@@ -46,6 +46,7 @@ _NAMES: dict[str, tuple[str, str, str]] = {
     "sglang:token_usage": ("sglang", "mean", "kv_usage"),
     "sglang:cache_hit_rate": ("sglang", "mean", "hit_rate"),
     "sglang:max_total_num_tokens": ("sglang", "capacity", "max_total_num_tokens"),
+    "sglang:max_running_requests": ("sglang", "slots", "max_running_requests"),
     "sglang:generation_tokens_total": ("sglang", "counter", "generated"),
     "sglang:time_to_first_token_seconds_bucket": ("sglang", "bucket", "ttft"),
     # llama.cpp llama-server --metrics: tools/server/server.cpp (handle_metrics); the
@@ -76,6 +77,7 @@ class Sample:
     counters: dict[str, float] = field(default_factory=dict)
     ttft: dict[float, float] = field(default_factory=dict)  # le -> cumulative count
     capacity: int | None = None
+    slots: int | None = None
 
     def mean(self, key: str) -> float | None:
         values = self.means.get(key)
@@ -159,6 +161,9 @@ def parse_metrics(text: str) -> Sample:
                 le = float(labels.get("le", "nan"))
                 if not math.isnan(le):
                     sample.ttft[le] = sample.ttft.get(le, 0.0) + value
+            case "slots":
+                if value >= 0:
+                    sample.slots = (sample.slots or 0) + int(value)
             case "capacity":
                 tokens = _capacity(key, labels, value)
                 if tokens is not None:
@@ -254,6 +259,7 @@ def summarize(cur: Sample, prev: Sample | None, dt: float, *, url: str, at: floa
         waiting=max(0.0, waiting) if waiting is not None else None,
         kv_usage=_ratio(kv),
         kv_capacity_tokens=cur.capacity,
+        slots=cur.slots,
         prefix_hit_rate=_ratio(hit_rate),
         ttft_p50=p50,
         ttft_p99=p99,

@@ -61,6 +61,7 @@ class _State:
     sampled_at: float = 0.0
     stats: EngineStats | None = None
     capacity: int | None = None  # llama.cpp: from /props, read once
+    slots: int | None = None
     props_read: bool = False
 
 
@@ -197,9 +198,11 @@ class EngineScraper:
             return
         if sample.engine == "llamacpp" and not state.props_read:
             state.props_read = True
-            state.capacity = await self._llamacpp_capacity(target)
+            state.capacity, state.slots = await self._llamacpp_props(target)
         if sample.capacity is None:
             sample.capacity = state.capacity
+        if sample.slots is None:
+            sample.slots = state.slots
         now = self._clock()
         state.failures = 0
         state.due = started + target.interval
@@ -207,19 +210,20 @@ class EngineScraper:
         state.stats = summarize(sample, state.sample, dt, url=target.url, at=now)
         state.sample, state.sampled_at = sample, now
 
-    async def _llamacpp_capacity(self, target: ScrapeTarget) -> int | None:
-        """llama-server's KV size in tokens from its /props (n_ctx is per slot), or None."""
+    async def _llamacpp_props(self, target: ScrapeTarget) -> tuple[int | None, int | None]:
+        """llama-server's KV size in tokens and its slots, from its /props (n_ctx is per
+        slot); None for what it does not say."""
         try:
             props = json.loads(await self._fetch(target, "/props"))
             n_ctx = props["default_generation_settings"]["n_ctx"]
             slots = props.get("total_slots", 1)
             if isinstance(n_ctx, int) and isinstance(slots, int) and n_ctx > 0 and slots > 0:
-                return n_ctx * slots
+                return n_ctx * slots, slots
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # optional: the capacity stays unknown
             log.debug("%s: no llama.cpp /props: %s", target.url, _describe(exc))
-        return None
+        return None, None
 
     async def _fetch(self, target: ScrapeTarget, path: str | None = None) -> str:
         session = self._session

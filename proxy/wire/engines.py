@@ -41,6 +41,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     the last interval (0-1; SGLang's own gauge). ttft_p50 / ttft_p99: seconds, from the
     engine's TTFT histogram over the last interval (None when no request finished its
     first token in it). tokens_per_s: generated tokens per second over the last interval.
+    slots: sequences the engine runs at once (llama.cpp's slots, SGLang's
+    max_running_requests), where it says.
     `error`: why the last scrape failed (None when it worked; the values are then the
     last good ones, or None).
     """
@@ -56,6 +58,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p50: Seconds | None = None
     ttft_p99: Seconds | None = None
     tokens_per_s: Annotated[float, Meta(ge=0, le=1e9)] | None = None
+    slots: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
     error: Annotated[str, Meta(max_length=200)] | None = None
 
     @property

@@ -78,6 +78,7 @@ def test_kv_usage_and_capacity_where_the_engine_reports_them() -> None:
     # vLLM: the cache_config_info labels (num_gpu_blocks x block_size); SGLang: its gauge.
     assert vllm.kv_usage == pytest.approx(0.25) and vllm.kv_capacity_tokens == KV_TOKENS
     assert sglang.kv_usage == pytest.approx(0.5) and sglang.kv_capacity_tokens == KV_TOKENS
+    assert sglang.slots == 4 and vllm.slots is None
     # TGI reports neither a usage ratio nor a cache size: unknown, not a guess.
     assert tgi.kv_usage is None and tgi.kv_capacity_tokens is None
 

@@ -82,6 +82,7 @@ async def test_every_engine_is_read_and_the_rest_is_unknown(
     for i in range(4):
         assert got[i].error is None and got[i].running == 0 and got[i].waiting == 0
     assert got[3].kv_capacity_tokens == 2048  # llama.cpp: /props n_ctx x total_slots
+    assert got[3].slots == 2 and got[0].slots is None  # vLLM does not say
     assert got[4].error == "HTTP 404"
     assert got[5].error is not None and "Connect" in got[5].error
     assert got[6].error == "timeout"

@@ -91,6 +91,9 @@ class Engine:
             cap = Gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the "
                         "KV cache pool.", labels, registry=r)
             cap.labels(MODEL).set(KV_TOKENS)
+            most = Gauge("sglang:max_running_requests", "Maximum running requests", labels,
+                         registry=r)  # fmt: skip
+            most.labels(MODEL).set(slots)
             self.g_tput = Gauge("sglang:gen_throughput", "The generation throughput (token/s).",
                                 labels, registry=r)  # fmt: skip
             self.c_gen = Counter("sglang:generation_tokens", "Number of generation tokens "
