@@ -334,6 +334,9 @@ class RedisSource:
                 if not self._flush_failing:
                     log.warning("service %s: rps flush failed: %s", self._service, _describe(exc))
                 self._flush_failing = True
+                # The engine view cannot be refreshed either: routing must not keep
+                # counting queues that are gone (the replicas are unknown until Redis is back).
+                self._apply_engines(None)
             else:
                 self._flush_failing = False
 

@@ -5,12 +5,13 @@ touches serving (a real redis-server, a real RedisSource and ReadySet)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import pytest
 import redis.asyncio as aioredis
 
+from controlplane.redisserver import EmbeddedRedis
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.metrics import render
@@ -115,3 +116,31 @@ async def test_a_record_for_a_url_not_in_the_set_is_ignored(
     })}, ttl=10)  # fmt: skip
     await until(lambda: engines(ready_set)[1] is not None, what="the view")
     assert engines(ready_set)[1].waiting == 2 and engines(ready_set)[2] is None  # type: ignore[union-attr]
+
+
+async def test_redis_gone_makes_every_replica_unknown(
+    redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str
+) -> None:
+    """A view that cannot be refreshed is not routed on: when the flush fails, the
+    records (and the engine queues policies add) are cleared."""
+    server = redis_factory()
+    async with Store.from_url(server.url, prefix=redis_prefix) as store:
+        await registered(store, spec=b"{}")
+        snap = await store.commit("svc", replica_updates=[replica(1)])
+        await store.write_engines({"svc": EngineView(replicas={
+            "1": EngineStats(url=snap.replicas[0].url, waiting=9)})}, ttl=30)  # fmt: skip
+    config = ProxyConfig(redis_url=server.url, service="svc", redis_prefix=redis_prefix,
+                         engine_load=True)  # fmt: skip
+    ready_set = ReadySet()
+    source = RedisSource(config, Stats(), flush_interval=0.05, backoff_max=0.1)
+    await source.start(ready_set)
+    try:
+        (only,) = ready_set.replicas
+        await until(lambda: only.engine_queue == 9, what="the queue to be counted")
+        server.kill()
+        await until(lambda: only.engine is None and only.engine_queue == 0,
+                    what="the records to clear once the flush fails")  # fmt: skip
+        assert ready_set.replicas == (only,)  # serving goes on
+    finally:
+        await source.aclose()
+        ready_set.close()
