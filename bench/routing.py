@@ -146,6 +146,42 @@ def sluice(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
     return start
 
 
+def sluice_engine(policy: str, n: int) -> Callable[[Procs, list[str]],
+                                                  tuple[list[str], list[subprocess.Popen[bytes]]]]:
+    """sluice `policy` with --engine-load: a redis-server, bench/engine_feed.py (the
+    controller's scraper, every 0.5 s, on the replicas' vLLM-style /metrics) and `n`
+    proxies following the service through Redis."""
+    def start(procs: Procs, workers: list[str]) -> tuple[list[str],
+                                                         list[subprocess.Popen[bytes]]]:
+        rport = free_port()
+        redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
+                                      "--save", "", "--appendonly", "no"])  # fmt: skip
+        url = f"redis://{HOST}:{rport}/0"
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
+                             check=False).stdout.strip() != b"PONG":  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        feed = procs.start("engine-feed", [sys.executable, str(BENCH / "engine_feed.py"),
+                                           "--redis", url, "--service", "bench", "--policy",
+                                           policy, "--interval", "0.5", *workers])
+        started = [redis, feed]
+        time.sleep(1.0)  # the first view; the proxies wait for the snapshot themselves
+        urls = []
+        for i in range(n):
+            port = free_port()
+            p = procs.start(f"sluice-{policy}-engine-{i}", [
+                *SLUICE_PROXY, "--redis", url, "--service", "bench", "--engine-load",
+                "--policy", policy, "--host", HOST, "--port", str(port), "--admin-port", "-1",
+                "--log-level", "WARNING", "--shutdown-grace", "1", *SLUICE_ARGS])
+            started.append(p)
+            wait_up(p, port, "/health", 20)
+            urls.append(f"http://{HOST}:{port}")
+        return urls, started
+    return start
+
+
 def sglang(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
                                                                       list[subprocess.Popen[bytes]]]]:
     def start(procs: Procs, workers: list[str]) -> tuple[list[str],
@@ -173,6 +209,22 @@ TARGETS = {
     "sluice-prefix": Target("sluice-prefix", "sluice `prefix`", sluice("prefix", 1)),
     "sluice-prefix-x2": Target("sluice-prefix-x2", "sluice `prefix`, 2 independent proxies",
                                sluice("prefix", 2)),
+    "sluice-least_load-x2": Target("sluice-least_load-x2",
+                                   "sluice `least_load`, 2 independent proxies",
+                                   sluice("least_load", 2)),
+    "sluice-least_load-engine": Target("sluice-least_load-engine",
+                                       "sluice `least_load` --engine-load",
+                                       sluice_engine("least_load", 1)),
+    "sluice-least_load-engine-x2": Target("sluice-least_load-engine-x2",
+                                          "sluice `least_load` --engine-load, 2 proxies",
+                                          sluice_engine("least_load", 2)),
+    "sluice-prefix-engine": Target("sluice-prefix-engine", "sluice `prefix` --engine-load",
+                                   sluice_engine("prefix", 1)),
+    "sluice-prefix-engine-x2": Target("sluice-prefix-engine-x2",
+                                      "sluice `prefix` --engine-load, 2 proxies",
+                                      sluice_engine("prefix", 2)),
+    "sluice-p2c-engine": Target("sluice-p2c-engine", "sluice `p2c` --engine-load",
+                                sluice_engine("p2c", 1)),
     "sglang-ca1": Target("sglang-ca1", "sglang-router `cache_aware`, 1 instance",
                          sglang("cache_aware", 1)),
     "sglang-ca2": Target("sglang-ca2", "sglang-router `cache_aware`, 2 independent instances",
@@ -477,7 +529,7 @@ def main() -> int:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for t in targets:
         if t not in TARGETS:
-            ap.error(f"unknown target {t!r}; valid: {', '.join(ALL_TARGETS)}")
+            ap.error(f"unknown target {t!r}; valid: {', '.join(TARGETS)}")
     for w in workloads:
         if w not in RUNNERS:
             ap.error(f"unknown workload {w!r}; valid: {', '.join(ALL_WORKLOADS)}")

@@ -29,6 +29,15 @@ Concurrency (a sluice extension, `target_ongoing_requests`): the raw target is
 ceil(total in-flight requests across proxies / target_ongoing_requests), with
 the same windows.
 
+Engine queue (a sluice extension, `target_queue_length_per_replica`): the raw
+target is ceil(requests waiting in the engines' own queues, summed over the READY
+replicas' fresh telemetry / target_queue_length_per_replica), with the same windows
+(KEDA's average-value rule; docs/engines.md).
+
+KV-cache usage (a sluice extension, `target_kv_cache_usage_per_replica`, 0-1): the
+raw target is ceil(the READY replicas' KV usage summed / the target), so replicas at
+0.9 with a target of 0.6 ask for half as many again; the same windows.
+
 Instance-aware (`target_qps_per_replica` as an accelerator map): capacity is
 the sum of the replicas' accelerator QPS; the raw target adds replicas of the
 fastest accelerator until capacity covers the QPS, or drops the
@@ -129,7 +138,12 @@ class Autoscaler:
     @property
     def autoscaling(self) -> bool:
         p = self._policy
-        return p.target_qps_per_replica is not None or p.target_ongoing_requests is not None
+        return (
+            p.target_qps_per_replica is not None
+            or p.target_ongoing_requests is not None
+            or p.target_queue_length_per_replica is not None
+            or p.target_kv_cache_usage_per_replica is not None
+        )
 
     @property
     def interval(self) -> float:
@@ -148,8 +162,16 @@ class Autoscaler:
         now: float,
         replica_qps: Sequence[float] = (),
         fastest_qps: float | None = None,
+        queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> tuple[int, float]:
         p = self._policy
+        if p.target_kv_cache_usage_per_replica is not None:
+            used = float(kv_usage or 0.0)
+            return self._clip(math.ceil(used / p.target_kv_cache_usage_per_replica - 1e-9)), used
+        if p.target_queue_length_per_replica is not None:
+            waiting = float(queue or 0.0)
+            return self._clip(math.ceil(waiting / p.target_queue_length_per_replica)), waiting
         if p.target_ongoing_requests is not None:
             load = float(inflight or 0.0)
             return self._clip(math.ceil(load / p.target_ongoing_requests)), load
@@ -171,12 +193,15 @@ class Autoscaler:
         inflight: float | None = None,
         replica_qps: Sequence[float] = (),
         fastest_qps: float | None = None,
+        queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> Decision:
         """One decision tick. `self.current` (without overprovision) is updated."""
         p = self._policy
         raw, signal = self.raw_target(
-            rps=rps, inflight=inflight, now=now, replica_qps=replica_qps, fastest_qps=fastest_qps
-        )
+            rps=rps, inflight=inflight, now=now, replica_qps=replica_qps,
+            fastest_qps=fastest_qps, queue=queue, kv_usage=kv_usage,
+        )  # fmt: skip
         history = self._history
         history.append((now, raw))
         horizon = now - max(p.upscale_delay_seconds, p.downscale_delay_seconds)
@@ -231,12 +256,15 @@ class Autoscaler:
         *,
         rps: Mapping[int, int] | None = None,
         inflight: float | None = None,
+        queue: float | None = None,
+        kv_usage: float | None = None,
     ) -> Decision:
         """An update: adopt the new policy and its computed target, forget the windows."""
         self._policy = policy
         self._history.clear()
         self._since = now
-        raw, signal = self.raw_target(rps=rps, inflight=inflight, now=now)
+        raw, signal = self.raw_target(rps=rps, inflight=inflight, now=now, queue=queue,
+                                      kv_usage=kv_usage)  # fmt: skip
         self.current = raw
         return Decision(
             target=self.target,
@@ -253,7 +281,11 @@ class Autoscaler:
         hi = p.max_replicas if p.max_replicas is not None else p.min_replicas
         if not self.autoscaling:
             return f"Fixed {p.min_replicas} replica{'s' if p.min_replicas != 1 else ''}"
-        if p.target_ongoing_requests is not None:
+        if p.target_kv_cache_usage_per_replica is not None:
+            knob = f"target KV-cache usage per replica: {p.target_kv_cache_usage_per_replica:g}"
+        elif p.target_queue_length_per_replica is not None:
+            knob = f"target engine queue per replica: {p.target_queue_length_per_replica:g}"
+        elif p.target_ongoing_requests is not None:
             knob = f"target ongoing requests per replica: {p.target_ongoing_requests:g}"
         elif isinstance(p.target_qps_per_replica, dict):
             table = ", ".join(f"{k}: {v:g}" for k, v in p.target_qps_per_replica.items())

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from controlplane.ops import ReplicaView, ServiceView
+from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import ReadySnapshot
 
 _NONE = "-"
@@ -74,7 +75,28 @@ def services_table(views: Sequence[ServiceView], now: float, *, verbose: bool = 
     return table(headers + (["POLICY", "UPDATE_MODE"] if verbose else []), rows)
 
 
-def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False) -> list[str]:
+def _engine_cells(e: EngineStats | None) -> list[str]:
+    """ENGINE, RUNNING, WAITING, KV, TTFT p50/p99 of one replica (`-`: not reported)."""
+    if e is None:
+        return [_NONE] * 5
+    if e.error is not None and e.running is None:
+        return ["unknown", _NONE, _NONE, _NONE, _NONE]
+
+    def num(v: float | None) -> str:
+        return _NONE if v is None else f"{v:g}"
+
+    kv = _NONE if e.kv_usage is None else f"{e.kv_usage * 100:.0f}%"
+    if e.kv_capacity_tokens is not None:
+        kv = f"{e.kv_capacity_tokens} tok" if e.kv_usage is None else (
+            f"{kv} of {e.kv_capacity_tokens}")
+    ttft = _NONE
+    if e.ttft_p50 is not None and e.ttft_p99 is not None:
+        ttft = f"{e.ttft_p50 * 1000:.0f}/{e.ttft_p99 * 1000:.0f}ms"
+    return [e.engine, num(e.running), num(e.waiting), kv, ttft]
+
+
+def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False,
+                 engine: EngineStats | None = None) -> list[str]:  # fmt: skip
     row = [
         service,
         str(r.id),
@@ -88,18 +110,22 @@ def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False
     if verbose:
         row += [r.backend, r.accelerator or _NONE, "yes" if r.spot else "no",
                 ago(r.first_ready_at, now)]  # fmt: skip
+        row += _engine_cells(engine)
     return row
 
 
 def replicas_table(views: Sequence[ServiceView], now: float, *, verbose: bool = False) -> str:
     """Every replica of `views`: Sky Serve's columns (service, id, version, endpoint,
     launched, infra, resources, status); `verbose` adds backend, accelerator, spot and
-    when it was first ready."""
+    when it was first ready, and the engine's telemetry: running and waiting requests, KV
+    usage (of its capacity in tokens), TTFT p50/p99 over the last scrape interval."""
     headers = ["SERVICE_NAME", "ID", "VERSION", "ENDPOINT", "LAUNCHED", "INFRA", "RESOURCES",
                "STATUS"]
     if verbose:
-        headers += ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
-    rows = [_replica_row(v.name, r, now, verbose) for v in views for r in v.replicas]
+        headers += ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY", "ENGINE", "RUNNING",
+                    "WAITING", "KV", "TTFT_P50/P99"]  # fmt: skip
+    rows = [_replica_row(v.name, r, now, verbose, v.engines.get(str(r.id)))
+            for v in views for r in v.replicas]  # fmt: skip
     return table(headers, rows)
 
 
@@ -115,6 +141,10 @@ def scaling_line(view: ServiceView) -> str:
             line += f" ({decision.reason}, QPS {decision.qps:.2f})"
         elif decision.inflight is not None:
             line += f" ({decision.reason}, in flight {decision.inflight:g})"
+        elif decision.queue is not None:
+            line += f" ({decision.reason}, engine queue {decision.queue:g})"
+        elif decision.kv_usage is not None:
+            line += f" ({decision.reason}, KV usage summed {decision.kv_usage:.2f})"
         else:
             line += f" ({decision.reason})"
     return line

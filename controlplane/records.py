@@ -143,6 +143,8 @@ class AutoscalerStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     qps: float | None = None
     inflight: float | None = None
+    queue: float | None = None  # engine queue (`target_queue_length_per_replica`)
+    kv_usage: float | None = None  # engines' KV usage summed (`target_kv_cache_usage_...`)
 
 
 class ServiceState(msgspec.Struct, frozen=True, kw_only=True):

@@ -160,6 +160,10 @@ class _ProxyCommand(click.Command):
 @click.option("--prefix-lru-size", type=click.IntRange(0), default=None,
               help="prefix policy: entries of the longest-prefix memory. "
                    f"[default: {PREFIX_DEFAULTS.lru_size}]")
+@click.option("--engine-load/--no-engine-load", default=DEFAULTS.engine_load, show_default=True,
+              help="least_load, p2c and prefix also count the requests waiting in each "
+                   "replica's engine, as the controller scrapes them (Redis source only; "
+                   "docs/engines.md).")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
@@ -236,7 +240,8 @@ def proxy_command(
     sync_relay: str | None, policy: str | None, target_qps: tuple[str, ...],
     prefix_epsilon: float | None, prefix_session_header: str | None,
     prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
-    prefix_lru_size: int | None, pool_size: int, pool_grace: float, retry_deadline: float,
+    prefix_lru_size: int | None, engine_load: bool, pool_size: int, pool_grace: float,
+    retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
     stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
     header_timeout: float, max_body: int, shutdown_grace: float,
@@ -268,7 +273,7 @@ def proxy_command(
         redis_prefix=redis_prefix, redis_ca_file=redis_ca_file, controller_addr=controller_addr,
         sync_interval=sync_interval, sync_timeout=sync_timeout, quick_resync=quick_resync,
         sync_relay=sync_relay, policy=policy, target_qps=_target_qps(target_qps),
-        prefix_options=_prefix_options(prefix_flags),
+        prefix_options=_prefix_options(prefix_flags), engine_load=engine_load,
         pool_size=pool_size, pool_grace=pool_grace, retry_deadline=retry_deadline,
         max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,
         hold_heartbeat=hold_heartbeat, stream_idle_timeout=stream_idle_timeout,

@@ -31,6 +31,7 @@ class ProxyConfig:
     policy: str | None = None  # None: the snapshot's policy (least_load by default)
     target_qps: dict[str, float] = field(default_factory=dict)
     prefix_options: PrefixOptions | None = None  # None: the snapshot's (or the defaults)
+    engine_load: bool = False  # least_load/p2c/prefix also count the engines' queues (Redis source)
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

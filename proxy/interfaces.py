@@ -153,6 +153,7 @@ class ReplicaView(Protocol):
     accelerator: str | None
     target_qps: float | None
     inflight: int  # requests holding this replica now
+    engine_queue: int  # requests waiting in its engine (0 unless --engine-load)
     left_at: float | None  # when it left the ready set; None while in it
     pool: ConnectionPool | None
     path: bytes  # prefixed to every request path sent to it

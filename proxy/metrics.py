@@ -29,6 +29,21 @@ def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=hist.sum)
 
 
+# (metric suffix, help, EngineStats attribute) of the re-exported engine gauges.
+_ENGINE_GAUGES = (
+    ("requests_running", "Requests running in the replica's engine", "running"),
+    ("requests_waiting", "Requests waiting in the replica's engine queue", "waiting"),
+    ("kv_cache_usage_ratio", "Fraction of the engine's KV cache in use (0-1)", "kv_usage"),
+    ("kv_cache_capacity_tokens", "The engine's KV-cache size in tokens", "kv_capacity_tokens"),
+    ("prefix_cache_hit_ratio", "Prompt tokens served from the engine's prefix cache over "
+     "the last scrape interval (0-1)", "prefix_hit_rate"),
+    ("slots", "Sequences the engine runs at once (llama.cpp slots, SGLang max running "
+     "requests)", "slots"),
+    ("generation_tokens_per_second", "Tokens the engine generated per second over the "
+     "last scrape interval", "tokens_per_s"),
+)
+
+
 class ProxyCollector:
     """The proxy's metrics, read from its ready set and counters at each scrape."""
 
@@ -40,6 +55,7 @@ class ProxyCollector:
     def collect(self) -> Iterator[Metric]:
         yield from self._requests()
         yield from self._replicas()
+        yield from self._engines()
         yield from self._snapshot()
         yield from self._bounds()
 
@@ -127,6 +143,35 @@ class ProxyCollector:
             yield family
         yield GaugeMetricFamily("sluice_ready_replicas", "Replicas in the ready set",
                                 value=len(ready_set.replicas))
+
+    def _engines(self) -> Iterator[Metric]:
+        """The engines' own telemetry per replica (proxy/wire/engines.py), as scraped by
+        the controller: one Prometheus scrape of any proxy gives the fleet."""
+        snap = self._ready_set.snapshot
+        service = snap.service if snap is not None else ""
+        labels = ["service", "replica", "replica_id", "engine"]
+        families = [
+            (GaugeMetricFamily(f"sluice_engine_{name}", doc, labels=labels), attr)
+            for name, doc, attr in _ENGINE_GAUGES
+        ]
+        ttft = GaugeMetricFamily("sluice_engine_ttft_seconds", "Engine-reported time to "
+                                 "first token over the last scrape interval",
+                                 labels=[*labels, "quantile"])  # fmt: skip
+        for url, replica in self._ready_set.known.items():
+            e = replica.engine
+            if e is None:
+                continue
+            values = [service, url, str(replica.id), e.engine]
+            for family, attr in families:
+                value = getattr(e, attr)
+                if value is not None:
+                    family.add_metric(values, value)
+            for q, value in (("0.5", e.ttft_p50), ("0.99", e.ttft_p99)):
+                if value is not None:
+                    ttft.add_metric([*values, q], value)
+        for family, _ in families:
+            yield family
+        yield ttft
 
     def _snapshot(self) -> Iterator[Metric]:
         ready_set, stats = self._ready_set, self._stats

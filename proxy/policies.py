@@ -19,7 +19,8 @@ from proxy.wire.snapshot import PrefixOptions
 
 
 class LeastLoad:
-    """Fewest in-flight requests; ties broken by a rotating start index."""
+    """Fewest in-flight requests (plus the engine's queue with --engine-load); ties broken
+    by a rotating start index."""
 
     name = "least_load"
     body_prefix = 0
@@ -47,7 +48,7 @@ class LeastLoad:
             r = replicas[j if j < n else j - n]
             if exclude is not None and r in exclude:
                 continue
-            load = r.inflight
+            load = r.inflight + r.engine_queue
             if load < best_load:
                 best = r
                 best_load = load
@@ -174,7 +175,7 @@ class PowerOfTwoChoices:
             return replicas[0]
         i, j = self._rand.sample(range(n), 2)
         a, b = replicas[i], replicas[j]
-        return a if a.inflight <= b.inflight else b
+        return a if a.inflight + a.engine_queue <= b.inflight + b.engine_queue else b
 
 
 POLICIES: dict[str, type[LeastLoad | RoundRobin | InstanceAwareLeastLoad | PowerOfTwoChoices

@@ -240,9 +240,10 @@ class PrefixPolicy:
             if hit.left_at is not None or (exclude is not None and hit in exclude):
                 break
             lru.move_to_end(key[d])  # refresh: most recent last
-            if hit.inflight:
+            load = hit.inflight + hit.engine_queue
+            if load:
                 capacity = self._capacity(factor)
-                if hit.inflight >= capacity:
+                if load >= capacity:
                     return self._spill(key, d, exclude, capacity)
             return self._routed_known(key, d, hit, AFFINITY)
         return self._choose_agreed(key, exclude, factor, capacity, None)
@@ -254,7 +255,8 @@ class PrefixPolicy:
         caches, not every replica's; else walk the rendezvous order."""
         full = key[d]
         alt = self._spilled.get(full)
-        if (alt is not None and alt.left_at is None and alt.inflight < capacity
+        if (alt is not None and alt.left_at is None
+                and alt.inflight + alt.engine_queue < capacity
                 and (exclude is None or alt not in exclude)):
             return self._routed_known(key, d, alt, SPILL)
         return self._choose_agreed(key, exclude, self._load_factor, capacity, full)
@@ -284,10 +286,11 @@ class PrefixPolicy:
                 continue
             if agreed is None:
                 agreed = r
-            if r.inflight:
+            load = r.inflight + r.engine_queue
+            if load:
                 if capacity < 0:
                     capacity = self._capacity(factor)
-                if r.inflight >= capacity:
+                if load >= capacity:
                     reason = SPILL
                     continue
             chosen = r
@@ -324,10 +327,12 @@ class PrefixPolicy:
         factor 1.0 (a prefix never seen): at most the mean in flight, rounded down, so
         unshared traffic spreads about as evenly as least_load; else ceil((1 + epsilon)
         x the mean counting this request), as in consistent hashing with bounded loads.
+        A replica's load is its in-flight requests plus, with --engine-load, the requests
+        waiting in its engine (what the other proxies sent it).
         """
         total = 0
         for r in self._replicas:
-            total += r.inflight
+            total += r.inflight + r.engine_queue
         n = len(self._replicas)
         if factor == 1.0:
             return total // n + 1

@@ -14,6 +14,7 @@ import re
 from urllib.parse import quote, urlsplit
 
 from proxy.interfaces import ConnectionPool
+from proxy.wire.engines import EngineStats
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.snapshot import ReadyReplica
 
@@ -66,6 +67,8 @@ class Replica:
 
     __slots__ = (
         "accelerator",
+        "engine",
+        "engine_queue",
         "host",
         "host_header",
         "id",
@@ -102,6 +105,10 @@ class Replica:
         self.inflight = 0
         self.left_at: float | None = None
         self.pool: ConnectionPool | None = None
+        # The engine's own telemetry, as the controller last published it (None: unknown).
+        # Set off the request path (proxy/sources/redis.py); policies may read it.
+        self.engine: EngineStats | None = None
+        self.engine_queue = 0  # its `waiting`, with --engine-load; least_load/p2c add it
 
     def refresh(self, info: ReadyReplica) -> None:
         self.id = info.id

@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.support.redis_fixtures",
     "tests.support.processes",
     "tests.support.llama",
+    "tests.support.engine_fakes",
 ]

@@ -20,6 +20,7 @@ from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec
 from controlplane.states import GONE, EventKind, ReplicaStatus
 from controlplane.store import ServiceNotFound, Store
+from proxy.wire.engines import EngineStats
 
 
 class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +107,9 @@ class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
     autoscaler: AutoscalerStatus | None = None
     # Every live proxy process's heartbeat (sorted by id), with its lag.
     proxies: list[ProxyView] = []
+    # Each READY replica's engine telemetry as the controller last published it
+    # (replica id as a string -> record; empty without a controller or metrics).
+    engines: dict[str, EngineStats] = {}
 
 
 async def status(
@@ -212,6 +216,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         target=target,
         autoscaler=decision,
         proxies=await _proxies(store, name, state.generation, lag),
+        engines=dict(engines.replicas) if (engines := await store.read_engines(name)) else {},
     )
 
 

@@ -46,6 +46,8 @@ log = logging.getLogger("sluice.scaling")
 
 #: An in-flight entry older than this (proxy gone or stuck) is not counted.
 INFLIGHT_FRESH_SECONDS = 3.0
+#: An engine record older than this (scrapes failing) is not counted.
+ENGINE_FRESH_SECONDS = 5.0
 #: Every service's rps hash is trimmed to the QPS window at least this often, whether
 #: or not it autoscales on QPS (proxies write one field per second regardless).
 RPS_TRIM_INTERVAL_SECONDS = 10.0
@@ -61,6 +63,8 @@ class ScaleSignals:
 
     rps: dict[int, int] | None = None
     inflight: float | None = None
+    queue: float | None = None  # requests waiting in the engines (queue-length policies)
+    kv_usage: float | None = None  # the engines' KV usage summed (KV-usage policies)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,8 @@ class AutoscalerRegistry:
             service = self._services[name] = self._new(policy, record, managed, now)
         elif service.version != version:
             decision = service.autoscaler.reset(
-                policy, now, rps=signals.rps, inflight=signals.inflight
+                policy, now, rps=signals.rps, inflight=signals.inflight, queue=signals.queue,
+                kv_usage=signals.kv_usage,
             )
             service.version = version
             service.due = now + service.autoscaler.interval
@@ -196,6 +201,8 @@ class AutoscalerRegistry:
                 inflight=signals.inflight,
                 replica_qps=replica_qps,
                 fastest_qps=fastest,
+                queue=signals.queue,
+                kv_usage=signals.kv_usage,
             )
             service.due = now + autoscaler.interval
         return ScaleStep(
@@ -210,7 +217,15 @@ class AutoscalerRegistry:
 async def read_signals(
     store: Store, name: str, policy: ReplicaPolicy, now: float, *, qps_window: int
 ) -> ScaleSignals:
-    """The signals `policy` scales on, as the proxies last reported them."""
+    """The signals `policy` scales on, as the proxies (or the engines) last reported them."""
+    on_kv = policy.target_kv_cache_usage_per_replica is not None
+    if policy.target_queue_length_per_replica is not None or on_kv:
+        view = await store.read_engines(name)
+        stats = view.replicas.values() if view is not None else ()
+        live = [s for s in stats if now - s.at <= ENGINE_FRESH_SECONDS]
+        if on_kv:
+            return ScaleSignals(kv_usage=sum(s.kv_usage or 0.0 for s in live))
+        return ScaleSignals(queue=float(sum(s.queue for s in live)))
     if policy.target_ongoing_requests is not None:
         entries = await store.read_inflight(name)
         fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
@@ -276,6 +291,8 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
     policy = autoscaler.policy
     on_inflight = policy.target_ongoing_requests is not None
     on_qps = policy.target_qps_per_replica is not None
+    on_queue = policy.target_queue_length_per_replica is not None
+    on_kv = policy.target_kv_cache_usage_per_replica is not None
     return AutoscalerStatus(
         at=now,
         policy=autoscaler.describe(),
@@ -286,4 +303,6 @@ def _status(autoscaler: Autoscaler, decision: Decision, now: float) -> Autoscale
         reason=decision.reason,
         qps=decision.signal if on_qps else None,
         inflight=decision.signal if on_inflight else None,
+        queue=decision.signal if on_queue else None,
+        kv_usage=decision.signal if on_kv else None,
     )

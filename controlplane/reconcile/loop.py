@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from controlplane.backends.base import ClusterBackend, ReplicaBackend
+from controlplane.engines.scraper import EngineScraper
 from controlplane.prober import Prober
 from controlplane.reconcile.autoscaling import (
     AutoscalerRegistry,
@@ -29,6 +30,7 @@ from controlplane.reconcile.autoscaling import (
 )
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
 from controlplane.reconcile.drain import read_reports
+from controlplane.reconcile.engines import scrape_targets
 from controlplane.reconcile.journal import Journal
 from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.planner import Planner
@@ -76,6 +78,7 @@ class Controller:
             qps_window=config.qps_window_seconds,
         )
         self._tasks = TaskRegistry(self.wake)
+        self.engines = EngineScraper(store, clock=clock)
         self._planner = Planner(
             config, self._backends, self._prober, self._tasks, self._autoscalers
         )
@@ -105,6 +108,7 @@ class Controller:
                 backend.watch(self.wake)
             await backend.start()
         await self._prober.start()
+        await self.engines.start()
         self._started = True
 
     async def aclose(self, *, stepping_down: bool = False) -> None:
@@ -120,6 +124,7 @@ class Controller:
                 await self.terminate_all()
         await self._tasks.aclose()
         await self._prober.aclose()
+        await self.engines.aclose()
         for backend in self._backends.values():
             await backend.aclose()
         self._started = False
@@ -150,6 +155,7 @@ class Controller:
         """Step until cancelled: on every nudge and event, at least every reconcile_interval."""
         await self.start()
         listener = asyncio.create_task(self._listen(), name="controller nudges")
+        scraper = asyncio.create_task(self.engines.run(), name="engine telemetry")
         failures = 0
         try:
             while True:
@@ -170,9 +176,11 @@ class Controller:
                     await asyncio.sleep(min(0.1 * 2**failures, 5.0))
                 await self._idle()
         finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            for task in (listener, scraper):
+                task.cancel()
+            for task in (listener, scraper):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def terminate_all(self) -> None:
         """Terminate every replica this controller can reach (no drain); delete the records.
@@ -272,6 +280,7 @@ class Controller:
                     if r.handle
                 }
                 self._recorded[name] = set(plan.table) | {r.id for r in launched}
+                self.engines.track(name, scrape_targets(plan.table.values(), self._specs_of(name)))
                 break
             else:
                 log.warning("service %s: state kept changing; will retry next step", name)
@@ -357,6 +366,7 @@ class Controller:
     def _forget(self, name: str) -> None:
         self._journal.forget(name)
         self._known.discard(name)
+        self.engines.forget(name)
         self._fleet.pop(name, None)
         self._unwritten.pop(name, None)
         self._autoscalers.forget(name)
@@ -378,6 +388,11 @@ class Controller:
             spec = ServiceSpec.from_json(raw)
             self._specs[key] = spec
         return spec
+
+    def _specs_of(self, name: str) -> dict[int, ServiceSpec]:
+        """The cached specs of `name` by version (every version in its table is cached by
+        the step's gather)."""
+        return {version: spec for (svc, _, version), spec in self._specs.items() if svc == name}
 
     def _due(self, at: float) -> None:
         if self._deadline is None or at < self._deadline:

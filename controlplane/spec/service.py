@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from controlplane.spec.engines import EngineMetrics
 from proxy.wire.policies import DEFAULT_POLICY, POLICY_NAMES
 
 # Sky Serve's defaults (sky/serve/constants.py and the replica manager).
@@ -68,6 +69,11 @@ class ReadinessProbe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 return msgspec.json.encode(obj)
 
 
+# The autoscaling targets, one at most (Sky Serve's first, then sluice's extensions).
+_TARGETS = ("target_qps_per_replica", "target_ongoing_requests",
+            "target_queue_length_per_replica", "target_kv_cache_usage_per_replica")  # fmt: skip
+
+
 class ReplicaPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     min_replicas: NonNegInt
     max_replicas: NonNegInt | None = None  # None: fixed at min_replicas
@@ -76,6 +82,11 @@ class ReplicaPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     target_qps_per_replica: PosFloat | QpsMap | None = None
     # sluice extension: autoscale on in-flight requests per replica.
     target_ongoing_requests: PosFloat | None = None
+    # sluice extension: autoscale on the engines' own queues (requests waiting in the
+    # model servers, scraped from their metrics; docs/engines.md).
+    target_queue_length_per_replica: PosFloat | None = None
+    # sluice extension: autoscale on the engines' KV-cache usage (0-1, mean per replica).
+    target_kv_cache_usage_per_replica: Annotated[float, Meta(gt=0, le=1)] | None = None
     upscale_delay_seconds: NonNegFloat = DEFAULT_UPSCALE_DELAY_SECONDS
     downscale_delay_seconds: NonNegFloat = DEFAULT_DOWNSCALE_DELAY_SECONDS
     base_ondemand_fallback_replicas: NonNegInt = 0
@@ -83,21 +94,20 @@ class ReplicaPolicy(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     spot_placer: Literal["dynamic_fallback"] | None = None
 
     def __post_init__(self) -> None:
-        has_qps = self.target_qps_per_replica is not None
-        has_target = has_qps or self.target_ongoing_requests is not None
+        targets = [name for name in _TARGETS if getattr(self, name) is not None]
+        has_target = bool(targets)
         if self.max_replicas is not None and self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas: must be >= min_replicas ({self.min_replicas}), "
                 f"got {self.max_replicas}"
             )
-        if has_qps and self.target_ongoing_requests is not None:
+        if len(targets) > 1:
             raise ValueError(
-                "target_ongoing_requests: cannot be combined with target_qps_per_replica; "
+                f"{targets[1]}: cannot be combined with {targets[0]}; "
                 "choose one autoscaling signal"
             )
         if has_target and self.max_replicas is None:
-            knob = "target_qps_per_replica" if has_qps else "target_ongoing_requests"
-            raise ValueError(f"max_replicas: must be set where {knob} is set")
+            raise ValueError(f"max_replicas: must be set where {targets[0]} is set")
         if not has_target and self.max_replicas not in (None, self.min_replicas):
             raise ValueError(
                 f"target_qps_per_replica: min_replicas ({self.min_replicas}) and "
@@ -159,6 +169,7 @@ class SluiceSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # The longest a leaving replica is kept while proxies still have requests on it
     # (None: the controller's --drain-seconds, 120 s by default).
     max_drain_seconds: Annotated[float, Meta(ge=0, le=86400)] | None = None
+    engine_metrics: EngineMetrics = msgspec.field(default_factory=EngineMetrics)
 
 
 class Tls(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -227,6 +227,7 @@ class Transactions:
                     k.rps(name),
                     k.inflight(name),
                     k.autoscaler(name),
+                    k.engines(name),
                     k.events(name),
                     *(k.spec(name, v) for v in versions),
                 )

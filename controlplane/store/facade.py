@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
+import controlplane.store.engines as engines
 import controlplane.store.pubsub as pubsub
 import controlplane.store.telemetry as telemetry
 from controlplane.errors import redis_errors
@@ -44,6 +45,7 @@ from controlplane.store.codec import decode_replica, decode_replicas, decode_ser
 from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
 from proxy.redisurl import client_from_url, redis_tls_options
+from proxy.wire.engines import EngineView
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
@@ -324,6 +326,15 @@ class Store:
     async def read_autoscaler(self, name: str) -> AutoscalerStatus | None:
         """The controller's last autoscaling decision, or None (none yet, or unreadable)."""
         return await telemetry.read_autoscaler(self._redis, self.keys, name)
+
+    async def write_engines(self, views: Mapping[str, EngineView], ttl: float) -> None:
+        """Publish the engine views (service name -> view), each with a TTL of `ttl` s."""
+        await engines.write_engines(self._redis, self.keys, views, ttl)
+
+    async def read_engines(self, name: str) -> EngineView | None:
+        """The service's engine view as last published, or None (none, expired, or
+        unreadable); invalid fields and records are dropped from it."""
+        return await engines.read_engines(self._redis, self.keys, name)
 
     # -- the leader lease (controlplane/lease.py) ---------------------------------------------
 

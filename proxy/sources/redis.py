@@ -27,8 +27,11 @@ sums the fresh entries), and its heartbeat into `{prefix}:svc:{name}:proxies`
 (field = proxy id: the generation it serves, when it applied it, the last 32
 applies): `sluice status` shows from it how far each proxy lags. Both hashes
 expire with the rps key when no proxy writes any more; readers prune entries
-whose heartbeat is stale. When a request is held because the set is empty, it
-publishes a "demand" nudge on `{prefix}:control` at once (at most one per
+whose heartbeat is stale. The same round trip GETs `{prefix}:svc:{name}:engines`, the
+engines' own telemetry the controller scrapes (proxy/wire/engines.py), parsed leniently
+and set on each replica (`Replica.engine`; None when the key is gone: no controller,
+or it stopped scraping); `/metrics` re-exports it. When a request is held because the
+set is empty, it publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
 
@@ -61,6 +64,7 @@ from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
+from proxy.wire.engines import EngineStats, EngineView, decode_engine_view
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.feed import SnapshotFeed
 from proxy.wire.keys import Keys
@@ -111,6 +115,9 @@ class RedisSource:
         self._rps_key = keys.rps(config.service)
         self._inflight_key = keys.inflight(config.service)
         self._proxies_key = keys.proxies(config.service)
+        self._engines_key = keys.engines(config.service)
+        self._engines_warned = False
+        self._engine_load = config.engine_load
         self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
         self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
@@ -327,6 +334,9 @@ class RedisSource:
                 if not self._flush_failing:
                     log.warning("service %s: rps flush failed: %s", self._service, _describe(exc))
                 self._flush_failing = True
+                # The engine view cannot be refreshed either: routing must not keep
+                # counting queues that are gone (the replicas are unknown until Redis is back).
+                self._apply_engines(None)
             else:
                 self._flush_failing = False
 
@@ -345,8 +355,42 @@ class RedisSource:
             pipe.expire(self._inflight_key, self._rps_ttl)
             pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
             pipe.expire(self._proxies_key, self._rps_ttl)
-            await pipe.execute()
+            pipe.get(self._engines_key)
+            results = await pipe.execute(raise_on_error=False)
+        for result in results[:-1]:
+            if isinstance(result, Exception):
+                raise result  # a counter write failed: keep the count for the next flush
         self._flushed = total
+        engines = results[-1]
+        if isinstance(engines, Exception):  # e.g. an ACL user without GET on the view
+            if not self._engines_warned:
+                log.warning("service %s: cannot read the engine view: %s", self._service,
+                            _describe(engines))  # fmt: skip
+                self._engines_warned = True
+            engines = None
+        self._apply_engines(engines)
+
+    def _apply_engines(self, raw: bytes | None) -> None:
+        """Set each known replica's engine record from the published view (by URL)."""
+        assert self._ready_set is not None
+        records: dict[str, EngineStats] = {}
+        if raw is not None:
+            try:
+                view, dropped = decode_engine_view(raw)
+            except ValueError as exc:
+                view, dropped = EngineView(), 1
+                if not self._engines_warned:
+                    log.warning("service %s: ignoring the engine view: %s", self._service, exc)
+            if dropped and not self._engines_warned:
+                log.warning("service %s: engine view: %d invalid fields or records dropped",
+                            self._service, dropped)  # fmt: skip
+            self._engines_warned = self._engines_warned or bool(dropped)
+            records = {r.url: r for r in view.replicas.values()}
+        engine_load = self._engine_load
+        for url, replica in self._ready_set.known.items():
+            record = replica.engine = records.get(url)
+            waiting = record.waiting if record is not None and engine_load else None
+            replica.engine_queue = int(waiting) if waiting else 0
 
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None

@@ -16,6 +16,8 @@ Prefix configurable, default `sluice`; `Keys` names each one:
     {p}:svc:{name}:proxies        hash     proxy id -> ProxyHeartbeat JSON (proxies write,
                                            every second; stale ones pruned by readers)
     {p}:svc:{name}:autoscaler     string   last AutoscalerStatus (JSON; controller writes)
+    {p}:svc:{name}:engines        string   EngineView JSON: each READY replica's engine
+                                           telemetry (controller writes, TTL; proxies read)
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
     {p}:leader                    string   controller leader lease (with TTL)
@@ -34,7 +36,7 @@ DEFAULT_PREFIX = "sluice"
 class Keys:
     """Names every Redis key and channel under one prefix (docs/redis.md lists them).
 
-    The proxy reads `snapshot`, subscribes to `ready` and writes `rps`, `inflight`,
+    The proxy reads `snapshot` and `engines`, subscribes to `ready` and writes `rps`, `inflight`,
     `proxies` and demand nudges on `control`; everything else is the controller's.
     """
 
@@ -98,6 +100,10 @@ class Keys:
     def autoscaler(self, name: str) -> str:
         """String holding the controller's last AutoscalerStatus JSON."""
         return f"{self.prefix}:svc:{name}:autoscaler"
+
+    def engines(self, name: str) -> str:
+        """String holding the EngineView JSON the controller scraped (with a TTL)."""
+        return f"{self.prefix}:svc:{name}:engines"
 
     def events(self, name: str) -> str:
         """Stream of audit events."""

@@ -171,3 +171,35 @@ def test_fallback_arithmetic() -> None:
 def test_describe_in_words() -> None:
     assert Autoscaler(policy(min_replicas=1, max_replicas=4), now=0.0).describe() == (
         "Autoscaling from 1 to 4 replicas (target QPS per replica: 2.0)")
+
+
+def test_engine_queue_target_with_the_same_windows() -> None:
+    p = ReplicaPolicy(min_replicas=1, max_replicas=6, target_queue_length_per_replica=4,
+                      upscale_delay_seconds=40, downscale_delay_seconds=60)
+    s = Autoscaler(p, now=0.0)
+    assert s.autoscaling and "target engine queue per replica: 4" in s.describe()
+    # A queue of 9 requests wants ceil(9 / 4) = 3, after the upscale window only.
+    assert [s.decide(t, queue=9).target for t in (0.0, 20.0)] == [1, 1]
+    assert s.decide(40.0, queue=9).target == 3
+    # One empty tick neither scales down nor restarts the window.
+    assert s.decide(60.0, queue=0).target == 3
+    assert [s.decide(t, queue=9).target for t in (80.0, 100.0)] == [3, 3]
+    # The queue gone from the downscale window (the one busy tick left in it at 160 is
+    # discarded as an outlier, as for every signal): back to the minimum.
+    assert [s.decide(t, queue=0).target for t in (120.0, 140.0, 160.0, 180.0)] == [3, 3, 1, 1]
+    # The signal is the queue, not in-flight requests or request rate.
+    assert s.decide(200.0, queue=None, inflight=100, rps={199: 1000}).raw == 1
+
+
+def test_kv_cache_usage_target() -> None:
+    p = ReplicaPolicy(min_replicas=1, max_replicas=6, target_kv_cache_usage_per_replica=0.6,
+                      upscale_delay_seconds=0, downscale_delay_seconds=0)
+    s = Autoscaler(p, now=0.0, current=2)
+    assert "target KV-cache usage per replica: 0.6" in s.describe()
+    # Two replicas at 0.9: 1.8 / 0.6 = 3 replicas (exactly 3, not 4 by float error).
+    assert s.decide(0.0, kv_usage=1.8).target == 3
+    assert s.decide(20.0, kv_usage=0.5).target == 1
+    with pytest.raises(SpecError, match="target_kv_cache_usage_per_replica"):
+        parse_spec({"service": {"readiness_probe": "/", "replica_policy": {
+            "min_replicas": 1, "max_replicas": 2, "target_kv_cache_usage_per_replica": 1.5}},
+            "run": "true"})

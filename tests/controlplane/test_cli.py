@@ -518,7 +518,8 @@ def test_status_several_names_and_verbose(echo_up: list[str]) -> None:
         assert lines[1].split()[-2:] == ["POLICY", "UPDATE_MODE"]
         assert "least_load" in lines[2] and "rolling" in lines[2]
         header = next(line for line in lines if line.startswith("SERVICE_NAME"))
-        assert header.split()[-4:] == ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
+        assert header.split()[8:12] == ["BACKEND", "ACCELERATOR", "SPOT", "FIRST_READY"]
+        assert header.split()[12:] == ["ENGINE", "RUNNING", "WAITING", "KV", "TTFT_P50/P99"]
     assert "BACKEND" not in sluice("status", "echo", *echo_up).stdout
 
 

@@ -202,6 +202,7 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
     as_proxy = redis.Redis.from_url(proxy_url)
     try:
         assert as_proxy.get("sluice:svc:llm:snapshot") is not None
+        as_proxy.get("sluice:svc:llm:engines")  # the engine view: readable, not writable
         as_proxy.publish("sluice:control", json.dumps({"service": "llm", "reason": "demand"}))
         forbidden = [
             ("SET", "sluice:svc:llm:snapshot", "{}"),
@@ -209,6 +210,7 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
             ("EXPIRE", "sluice:svc:llm:snapshot", "1"),
             ("PUBLISH", "sluice:svc:llm:ready", "{}"),
             ("HSET", "sluice:svc:llm:replicas", "1", "{}"),
+            ("SET", "sluice:svc:llm:engines", "{}"),
             ("HSET", "sluice:svc:llm", "status", "READY"),
             ("SET", "sluice:svc:llm:spec:1", "{}"),
             ("GET", "sluice:svc:llm:spec:1"),  # specs hold the task's secrets

@@ -351,3 +351,21 @@ async def test_admin_snapshot_names_the_policy_in_force(
     assert status == 200
     assert body["policy"] == "p2c"
     assert body["snapshot"]["policy"] == "p2c"
+
+
+def test_least_load_and_p2c_count_the_engine_queue() -> None:
+    """With --engine-load the proxy sets `engine_queue` (0 otherwise): a replica whose
+    engine queues requests other proxies sent looks as loaded as it is."""
+    from proxy.policies import LeastLoad, PowerOfTwoChoices
+    from tests.support.builders import fakes
+
+    a, b = fakes(1, 2)
+    a.engine_queue = 5
+    least = LeastLoad()
+    least.update([a, b])
+    assert {least.choose(None) for _ in range(4)} == {b}
+    p2c = PowerOfTwoChoices()
+    p2c.update([a, b])
+    assert {p2c.choose(None) for _ in range(20)} == {b}
+    a.engine_queue = 0
+    assert {least.choose(None) for _ in range(4)} == {a}

@@ -526,3 +526,20 @@ async def test_a_body_over_max_body_while_held_for_routing_is_refused_once(
         assert await _post(s, proxy.url, chat(LONG, "q")) in {"a", "b"}
 
 
+
+
+def test_the_bound_counts_the_engine_queue_other_proxies_filled() -> None:
+    """With --engine-load a replica's load is its in-flight plus its engine's queue: a
+    first choice this proxy sees idle, but whose engine queues what other proxies sent,
+    is over the bound (and the mean counts the queues too)."""
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    body = bodies(1, seed=11)[0]
+    first = ready.choose(None, Req(body))
+    assert first is not None
+    assert ready.choose(None, Req(body)) is first  # known now, and idle: affinity
+    first.engine_queue = 6  # total 6: capacity ceil(1.5 * 7 / 4) = 3
+    moved = ready.choose(None, Req(body))
+    assert moved is not None and moved is not first
+    first.engine_queue = 0
+    assert ready.choose(None, Req(body)) is first

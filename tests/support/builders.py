@@ -88,6 +88,7 @@ class Fake:
     inflight: int = 0
     accelerator: str | None = None
     target_qps: float | None = None
+    engine_queue: int = 0
 
 
 def fakes(*loads: int) -> list[Fake]:
