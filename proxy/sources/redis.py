@@ -235,6 +235,9 @@ class RedisSource:
                     self._service,
                     self._generation(),
                 )
+            else:
+                log.info("redis source for %s: connected at generation %d", self._service,
+                         self._generation())
             self._failures = 0
             self._stats.source_connected = 1
             self._synced.set()
@@ -282,11 +285,14 @@ class RedisSource:
             self._stats.propagation.observe(max(0.0, now - snapshot.published_at))
         self._applied_any = True
         self._applies.append((snapshot.generation, now))
-        log.debug(
-            "service %s: applied generation %d (%d replicas) via %s",
+        # INFO: snapshots are rare (a commit of the controller), and each is a fact an
+        # operator looks for when a request went somewhere unexpected.
+        log.info(
+            "service %s: applied generation %d (%d replicas, policy %s) via %s",
             self._service,
             snapshot.generation,
             len(snapshot.replicas),
+            ready_set.policy.name,
             "publish" if via_publish else "get",
         )
 
