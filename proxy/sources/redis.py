@@ -60,6 +60,7 @@ from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.stats import Stats
+from proxy.tally import RoutedTally, cut_total, response_classes
 from proxy.tasks import bounded, stop_tasks
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.feed import SnapshotFeed
@@ -113,6 +114,7 @@ class RedisSource:
         self._proxies_key = keys.proxies(config.service)
         self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._routed = RoutedTally()  # the heartbeat's routing-reason totals
         self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
         # The safety-net re-GET shares the sync interval of the other sources (5 s).
         self._resync_interval = config.sync_interval if resync_interval is None else resync_interval
@@ -370,6 +372,9 @@ class RedisSource:
             seen_at=now,
             connected=self._stats.source_connected == 1,
             recent=list(self._applies),
+            responses=response_classes(self._stats.responses),
+            cuts=cut_total(self._stats),
+            routed=self._routed.read(ready_set.policy),
         ))
 
     # -- demand -------------------------------------------------------------------------------
