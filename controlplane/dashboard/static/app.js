@@ -269,7 +269,7 @@ function charts(history, now, windowS) {
   ];
   const errors = pick("errors");
   if (errors.length) out.push(chart("Errors/s (5xx and cut)", [{ name: "errors/s",
-    color: "--c3", points: errors }], now, windowS, { id: "errors" }));
+    color: "--c4", points: errors }], now, windowS, { id: "errors" }));
   // Routing reasons (the prefix policy's affinity/spill/fallback), when proxies count them.
   const reasons = new Set();
   for (const p of history) for (const k of Object.keys(p.routed || {})) reasons.add(k);
