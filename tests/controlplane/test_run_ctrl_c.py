@@ -6,6 +6,7 @@ processes, a real replica process, a real stream through the real proxy."""
 from __future__ import annotations
 
 import http.client
+import json
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from tests.support.cli import sluice_child
 from tests.support.pids import descendants
 from tests.support.poll import until_sync
 from tests.support.ports import HOST, free_port
-from tests.support.processes import REPO
+from tests.support.processes import REPO, http_get
 
 SPEC = f"""\
 service:
@@ -116,6 +117,12 @@ def test_ctrl_c_lets_a_stream_finish_then_stops(tmp_path: Path) -> None:
     argv, port = _run(tmp_path, "--drain-seconds", "60")
     log = tmp_path / "run.log"
     with sluice_child(argv, log) as proc:
+        # A 502 through the run's proxy (the replica resets the connection).
+        until_sync(lambda: "is ready at" in log.read_text() or proc.poll() is not None,
+                   timeout=60, what="the service ready")  # fmt: skip
+        assert http_get(HOST, port, "/reset")[0] == 502
+        info = json.loads((tmp_path / "state" / "run.json").read_text())
+        password = Path(info["redis_password_file"]).read_text().strip()
         stream = _ready_stream(proc, log, port, events=30, interval=0.2)  # 6 s
         proc.send_signal(signal.SIGINT)
         stream.join(30)
@@ -126,6 +133,16 @@ def test_ctrl_c_lets_a_stream_finish_then_stops(tmp_path: Path) -> None:
     assert "drain until idle, at most 60s; Ctrl-C again to stop at once" in output
     assert "Ctrl-C to stop (streams drain, up to 60s; twice: at once)" in output
     assert "below the drain bound" not in output and "stopping them directly" not in output
+    # Issue 23: the proxy log says where its ready set comes from, what it listens on,
+    # each snapshot it applied, and the 502 (never the Redis password).
+    proxy_log = (tmp_path / "state" / "cc" / "proxy.log").read_text()
+    assert password and password not in proxy_log
+    for said in ("ready set from redis://127.0.0.1:", "(service cc)",
+                 f"listening on {HOST}:{port} (http, worker 0 of 1)",
+                 "redis source for cc: connected at generation",
+                 "applied generation", "(1 replicas, policy ",
+                 "upstream failure: service=cc replica=http://", "GET /reset status=502"):
+        assert said in proxy_log, (said, proxy_log)
 
 
 @pytest.mark.slow
