@@ -37,6 +37,7 @@ from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.server import ClientConnection, ServerContext
 from proxy.sources import Source, make_source
+from proxy.sources import describe as describe_source
 from proxy.stats import Stats
 from proxy.tasks import bounded, stop_tasks
 
@@ -108,6 +109,7 @@ class ProxyApp:
             except OSError as exc:
                 raise ConfigError(f"cannot open the access log {cfg.access_log}: {exc}") from exc
             ctx.access_log = access_log
+        log.info("ready set from %s", describe_source(cfg))
         await self.source.start(self.ready_set)
         try:
             self.server = await loop.create_server(
@@ -126,9 +128,10 @@ class ProxyApp:
         if cfg.admin_port is not None:
             self.admin = await self._start_admin(cfg.admin_port + cfg.worker_index)
         self._ticker = loop.create_task(self._tick_forever())
-        log.info("sluice-proxy listening on %s:%d (%s), admin %s, %d replicas",
-                 cfg.host, self.port, "https" if server_ssl else "http",
-                 self.admin.url if self.admin else "off", len(self.ready_set.replicas))
+        log.info("sluice-proxy listening on %s:%d (%s, worker %d of %d), admin %s, "
+                 "%d replicas", cfg.host, self.port, "https" if server_ssl else "http",
+                 cfg.worker_index, cfg.workers, self.admin.url if self.admin else "off",
+                 len(self.ready_set.replicas))
 
     async def _start_admin(self, port: int) -> AdminServer | None:
         cfg = self.config

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from proxy import http
 from proxy.cuts import record_cut
+from proxy.failures import FailureLog
 from proxy.interfaces import (
     PAUSE_BODY_BUFFER,
     PAUSE_UPSTREAM,
@@ -89,6 +90,9 @@ class ExchangeContext(Protocol):
     @property
     def access_log(self) -> AccessLog | None: ...  # --access-log (None: off)
 
+    @property
+    def failures(self) -> FailureLog: ...  # the rate-limited 502/503/504 warnings
+
 
 class Exchange:
     """One request from arrival to the end of its response."""
@@ -108,6 +112,7 @@ class Exchange:
         "deadline_at",
         "discard_body",
         "empty_until",
+        "failed_on",
         "has_body",
         "head_line",
         "head_tail",
@@ -174,6 +179,7 @@ class Exchange:
         self.tried: set[ReplicaView] | None = None
         self.stale_retry_used = False
         self.last_error = "none"
+        self.failed_on: str | None = None  # the replica of the last failed attempt
         # -- the response relayed to the client
         self.status = 0
         self.resp_bytes = 0  # response body bytes relayed (for a cut's log line)
@@ -254,9 +260,10 @@ class Exchange:
         """Past --max-held or --max-held-bytes: a fast 503 instead of holding (counted)."""
         self.ctx.stats.held_refused += 1
         if self.body_done:
-            self.respond(http.HOLD_FULL, 503)
+            self.fail(http.HOLD_FULL, 503, "overloaded (--max-held, --max-held-bytes)")
         else:  # the rest of the body is still coming: close rather than read it
-            self.respond(http.HOLD_FULL_CLOSE, 503, close=True)
+            self.fail(http.HOLD_FULL_CLOSE, 503, "overloaded (--max-held, --max-held-bytes)",
+                      close=True)
 
     def wants_connection(self, pool: ConnectionPool) -> bool:
         return self.state == WAIT_CONN and self.pool is pool
@@ -513,7 +520,7 @@ class Exchange:
             self.cut("upstream_error")
         else:
             self.last_error = error
-            self.respond(http.bad_gateway(error), 502)
+            self.fail(http.bad_gateway(error), 502, error)
 
     def on_upstream_lost(self, conn: UpstreamLink, in_response: bool) -> None:
         self.upstream = None
@@ -544,9 +551,9 @@ class Exchange:
             self.ctx.stats.retries += 1
             self.pick()
         elif self.ctx.loop.time() >= self.deadline_at:
-            self.respond(http.DEADLINE, 504)
+            self.fail(http.DEADLINE, 504, f"deadline_exceeded; last error: {self.last_error}")
         else:
-            self.respond(http.bad_gateway(self.last_error), 502)
+            self.fail(http.bad_gateway(self.last_error), 502, self.last_error)
 
     def release_replica(self, tried: bool = True) -> None:
         replica = self.replica
@@ -554,6 +561,7 @@ class Exchange:
             self.replica = None
             replica.inflight -= 1
             if tried:
+                self.failed_on = replica.url
                 if self.tried is None:
                     self.tried = {replica}
                 else:
@@ -571,6 +579,14 @@ class Exchange:
         elif self.state == WAIT_REPLICA:
             self.ctx.ready_set.remove_waiter(self.wake)
             self.unhold()
+
+    def fail(self, response: bytes, status: int, cause: str, close: bool = False) -> None:
+        """Answer a 502/503/504 of our own, logged rate-limited (proxy/failures.py)."""
+        replica = self.replica
+        self.ctx.failures.record(
+            self.ctx.now, replica=replica.url if replica is not None else self.failed_on,
+            status=status, cause=cause, head_line=self.head_line, attempts=self.attempts)
+        self.respond(response, status, close)
 
     def respond(self, response: bytes, status: int, close: bool = False) -> None:
         """Answer with a proxy-generated response; only before any response byte was sent."""
@@ -646,9 +662,9 @@ class Exchange:
                 self.cut("idle_timeout")
         elif state == WAIT_REPLICA:
             if now >= self.deadline_at:
-                self.respond(http.DEADLINE, 504)
+                self.fail(http.DEADLINE, 504, "deadline_exceeded waiting for a ready replica")
             elif now >= self.empty_until:
-                self.respond(http.NO_REPLICA, 503)
+                self.fail(http.NO_REPLICA, 503, "no_ready_replica")
             elif self.heartbeat_at and now >= self.heartbeat_at:
                 self.heartbeat(now)
         elif state == SENT and self.upload_at:
@@ -660,6 +676,8 @@ class Exchange:
                 self.respond(http.REQUEST_TIMEOUT, 408, close=True)
         elif state == WAIT_CONN or state == SENT:
             if now >= self.deadline_at:
-                self.respond(http.DEADLINE, 504)
+                self.fail(http.DEADLINE, 504, "deadline_exceeded waiting for the response "
+                          "head" if state == SENT else "deadline_exceeded waiting for a "
+                          "connection")
         elif self.awaiting_body and now - self.started >= _ROUTE_WAIT:
             self.route_now()  # a slow body: route on what arrived

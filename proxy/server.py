@@ -41,6 +41,7 @@ from proxy import http, peer
 from proxy.accesslog import AccessLog
 from proxy.config import ProxyConfig
 from proxy.exchange import DONE, STREAMING, WAIT_REPLICA, Exchange
+from proxy.failures import FailureLog
 from proxy.interfaces import PAUSE_PIPELINE, Upload
 from proxy.readyset import ReadySet
 from proxy.resume import ResumableExchange, resumable_kind
@@ -108,6 +109,7 @@ class ServerContext:
         self.ticks = 0
         self.suspects: list[ClientConnection] = []  # held with reading paused: left?
         self.access_log: AccessLog | None = None  # --access-log; set by the app
+        self.failures = FailureLog(config.service)  # 502/503/504 warnings, rate-limited
 
     def tick(self) -> None:
         now = self.now = self.loop.time()
@@ -130,6 +132,7 @@ class ServerContext:
                 conn.drop_departed()
         if self.access_log is not None:
             self.access_log.flush()
+        self.failures.flush(now)
 
     def refuse(self, transport: asyncio.BaseTransport) -> None:
         """A connection past --max-connections: closed at once, counted, logged once."""

@@ -59,8 +59,8 @@ from controlplane.run import RunConfig, run_service
     "--down-timeout",
     type=click.FloatRange(0),
     default=RunConfig.down_timeout,
-    show_default=True,
-    help="On Ctrl-C, how long to wait for the controller to stop the replicas.",
+    help="On Ctrl-C, how long to wait for the replicas to drain and be stopped (a second "
+    "Ctrl-C stops them at once). Default: the drain bound + 30 s.",
 )
 @backend_option
 @log_level_option
@@ -76,7 +76,7 @@ def run(
     prefix: str,
     state_dir: Path,
     drain_seconds: float,
-    down_timeout: float,
+    down_timeout: float | None,
     backend: str,
     log_level: str,
     dry_run: bool,

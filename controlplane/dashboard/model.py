@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from controlplane.dashboard.rates import Rates
 from controlplane.ops import ServiceView
 from controlplane.records import Event
 from controlplane.states import GONE, ReplicaStatus
@@ -46,6 +47,8 @@ class Reading:
     rps: dict[int, int]
     inflight: dict[str, InflightEntry]
     engines: dict[int, dict[str, Scalar]] = field(default_factory=dict)
+    # From the proxies' heartbeat counters (controlplane/dashboard/rates.py).
+    rates: Rates = field(default_factory=Rates)
 
 
 def engine_scalars(value: object) -> dict[str, Scalar]:
@@ -152,9 +155,9 @@ def fleet_row(reading: Reading, now: float) -> JSON:
         "total": view.total,
         "endpoint": view.endpoint,
         "rps": requests_per_second(reading.rps, now),
-        # Proxies publish request counts to Redis, not error counts (those are on their
-        # /metrics): unknown here, and the page says so.
-        "errors_per_s": None,
+        # 5xx + cut responses per second, from the proxies' heartbeats (None: no proxy
+        # that reports them; the page says n/a).
+        "errors_per_s": _rounded(reading.rates.errors_per_s),
         "inflight": total,
         "rollout": rollout(view),
         "last_failure": view.last_failure,
@@ -178,6 +181,7 @@ def service_doc(reading: Reading, now: float) -> JSON:
     doc["now"] = now
     doc["rps"] = requests_per_second(reading.rps, now)
     doc["inflight"] = total
+    doc["errors_per_s"] = _rounded(reading.rates.errors_per_s)
     doc["rollout"] = rollout(reading.view)
     doc["events"] = [
         {"id": e.id, "kind": e.kind, "at": e.at, "fields": e.fields} for e in reading.events
@@ -198,4 +202,11 @@ def sample(reading: Reading, now: float) -> JSON:
         "inflight": total,
         "states": states,
         "ttft": _ttft(reading.engines),
+        "errors": _rounded(reading.rates.errors_per_s),
+        "routed": None if reading.rates.routed is None else {
+            reason: round(rate, 2) for reason, rate in reading.rates.routed.items()},
     }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

@@ -33,6 +33,7 @@ from controlplane.dashboard.model import (
     sample,
     service_doc,
 )
+from controlplane.dashboard.rates import RateTracker
 from controlplane.records import Event
 from controlplane.store import ServiceNotFound, Store, StoreError
 from proxy.wire.errors import SluiceError
@@ -94,6 +95,7 @@ class Poller:
         self.history: dict[str, collections.deque[JSON]] = {}
         self._decisions: dict[str, collections.deque[JSON]] = {}
         self._events_kept: dict[str, list[Event]] = {}
+        self._rates = RateTracker()  # errors/s and routing reasons from the heartbeats
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -176,8 +178,10 @@ class Poller:
         second = int(self._clock())
         rps = await store.read_rps_seconds(name, range(second - RPS_SECONDS, second + 1))
         inflight = await store.read_inflight(name)
+        beats = await store.read_proxies(name)
         return Reading(view=view, events=events, rps=rps, inflight=inflight,
-                       engines=await self._engines(name))  # fmt: skip
+                       engines=await self._engines(name),
+                       rates=self._rates.update(name, beats, self._clock()))  # fmt: skip
 
     async def _events(self, name: str) -> list[Event]:
         """The latest EVENTS_SHOWN events: the last few read and joined to those kept,
@@ -228,6 +232,7 @@ class Poller:
             del self.history[gone]
             self._decisions.pop(gone, None)
             self._events_kept.pop(gone, None)
+            self._rates.forget(gone)
         fleet: list[JSON] = []
         docs: dict[str, JSON] = {}
         latest: dict[str, bytes] = {}

@@ -20,6 +20,10 @@ class RunError(SluiceError):
     """`sluice run` could not start, or a process it started died under it."""
 
 
+#: Seconds Ctrl-C waits past the drain bound for the replicas to be terminated.
+DOWN_SLACK = 30.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything `sluice run` needs; built by the CLI (whose option defaults are these)."""
@@ -36,13 +40,33 @@ class RunConfig:
     port: int = 8080  # the proxy's port; 0 picks a free one
     admin_port: int = 0  # the proxy's admin port; 0 picks a free one
     drain_seconds: float = 120.0  # the controller's maximum drain (stops when idle)
-    down_timeout: float = 60.0  # how long shutdown waits for the replicas to be terminated
+    # How long Ctrl-C waits for the controller to drain and terminate the replicas;
+    # None: the service's drain bound plus DOWN_SLACK (a shorter wait would stop
+    # replicas while they still stream, which the drain bound is there to avoid).
+    down_timeout: float | None = None
     stop_timeout: float = 10.0  # SIGTERM -> SIGKILL, per process
     startup_timeout: float = 30.0  # for the proxy to listen
     refresh: float = 0.5  # seconds between status refreshes
     log_level: str = "INFO"
     # What the controller launches replicas with: local | skypilot.
     backend: str = ControllerConfig.backend
+
+
+    @property
+    def max_drain(self) -> float:
+        """The drain bound the controller applies to this service (the spec's
+        service.sluice.max_drain_seconds, else --max-drain-seconds)."""
+        sluice = self.spec.service.sluice
+        if sluice is not None and sluice.max_drain_seconds is not None:
+            return sluice.max_drain_seconds
+        return self.drain_seconds
+
+    @property
+    def down_wait(self) -> float:
+        """How long Ctrl-C waits for the replicas to drain and be terminated."""
+        if self.down_timeout is not None:
+            return self.down_timeout
+        return self.max_drain + DOWN_SLACK
 
 
 class RunInfo(msgspec.Struct, kw_only=True):

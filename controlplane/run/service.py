@@ -176,7 +176,8 @@ class ServiceRun:
             f"{listen}:{port}{where}; admin http://127.0.0.1:{admin_port}/metrics)",
             f"sluice: logs: sluice logs {config.name} (replicas, --controller: "
             f"{layout.controller_log}, --load-balancer: {layout.proxy_log(config.name)}); "
-            f"state in {config.state_dir}; Ctrl-C to stop",
+            f"state in {config.state_dir}; Ctrl-C to stop (streams drain, up to "
+            f"{config.max_drain:g}s; twice: at once)",
         ]
 
     def _with_logs(self, view: ops.ServiceView) -> ops.ServiceView:
@@ -283,8 +284,13 @@ class ServiceRun:
         if self._upped:
             self._view.message(
                 f"sluice: taking {config.name} down (replicas drain until idle, at most "
-                f"{config.drain_seconds:g}s; Ctrl-C again to stop at once)"
+                f"{config.max_drain:g}s; Ctrl-C again to stop at once)"
             )
+            if config.down_wait < config.max_drain:
+                self._view.message(
+                    f"sluice: --down-timeout {config.down_wait:g}s is below the drain bound: "
+                    "requests still running then are cut"
+                )
             try:
                 await ops.down(store, config.name)
                 await self._wait_removed(store)
@@ -307,7 +313,7 @@ class ServiceRun:
     async def _wait_removed(self, store: Store) -> None:
         """Until the controller has terminated every replica and unregistered the service,
         it died, `down_timeout` passed, or a second signal came."""
-        deadline = time.monotonic() + self._config.down_timeout
+        deadline = time.monotonic() + self._config.down_wait
         while time.monotonic() < deadline and not self._hurry.is_set():
             if not self._children.alive("controller"):
                 return
@@ -321,7 +327,7 @@ class ServiceRun:
             self._view.message("sluice: stopping at once")
         else:
             self._view.message(
-                f"sluice: replicas not terminated within {self._config.down_timeout:g}s; "
+                f"sluice: replicas not terminated within {self._config.down_wait:g}s; "
                 "stopping them directly"
             )
 

@@ -38,6 +38,17 @@ class Source(Protocol):
     async def aclose(self) -> None: ...
 
 
+def describe(config: ProxyConfig) -> str:
+    """The ready-set source for the log, without secrets (a URL's user-info and query)."""
+    if config.replicas:
+        return f"--replicas ({len(config.replicas)} static)"
+    if config.redis_url:
+        scheme, sep, rest = config.redis_url.partition("://")
+        where = rest.rpartition("@")[2].split("?", 1)[0]
+        return f"{scheme}{sep}{where} (service {config.service})"
+    return f"the Sky Serve controller at {config.controller_addr}"
+
+
 def make_source(config: ProxyConfig, stats: Stats) -> Source:
     """The one source of the ready set the config names."""
     chosen = [bool(config.replicas), bool(config.redis_url), bool(config.controller_addr)]

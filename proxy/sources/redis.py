@@ -63,6 +63,7 @@ from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.stats import Stats
+from proxy.tally import RoutedTally, cut_total, response_classes
 from proxy.tasks import bounded, stop_tasks
 from proxy.wire.engines import EngineStats, EngineView, decode_engine_view
 from proxy.wire.errors import SnapshotInvalid
@@ -120,6 +121,7 @@ class RedisSource:
         self._engine_load = config.engine_load
         self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._routed = RoutedTally()  # the heartbeat's routing-reason totals
         self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
         # The safety-net re-GET shares the sync interval of the other sources (5 s).
         self._resync_interval = config.sync_interval if resync_interval is None else resync_interval
@@ -242,6 +244,9 @@ class RedisSource:
                     self._service,
                     self._generation(),
                 )
+            else:
+                log.info("redis source for %s: connected at generation %d", self._service,
+                         self._generation())
             self._failures = 0
             self._stats.source_connected = 1
             self._synced.set()
@@ -289,11 +294,14 @@ class RedisSource:
             self._stats.propagation.observe(max(0.0, now - snapshot.published_at))
         self._applied_any = True
         self._applies.append((snapshot.generation, now))
-        log.debug(
-            "service %s: applied generation %d (%d replicas) via %s",
+        # INFO: snapshots are rare (a commit of the controller), and each is a fact an
+        # operator looks for when a request went somewhere unexpected.
+        log.info(
+            "service %s: applied generation %d (%d replicas, policy %s) via %s",
             self._service,
             snapshot.generation,
             len(snapshot.replicas),
+            ready_set.policy.name,
             "publish" if via_publish else "get",
         )
 
@@ -408,6 +416,9 @@ class RedisSource:
             seen_at=now,
             connected=self._stats.source_connected == 1,
             recent=list(self._applies),
+            responses=response_classes(self._stats.responses),
+            cuts=cut_total(self._stats),
+            routed=self._routed.read(ready_set.policy),
         ))
 
     # -- demand -------------------------------------------------------------------------------

@@ -28,6 +28,14 @@ class ProxyHeartbeat(msgspec.Struct, frozen=True, kw_only=True):
     seen_at: float = 0.0  # when it wrote this heartbeat
     connected: bool = False  # subscribed and in sync with Redis
     recent: list[tuple[int, float]] = []  # (generation, applied_at) of its last applies
+    # Cumulative counters since the process started (the dashboard takes rates from
+    # successive heartbeats; a restart starts them again from 0). `responses`: "2xx",
+    # "3xx", "4xx", "5xx" (proxy-generated ones included, 499 in 4xx; empty: an older
+    # proxy); `cuts`: responses cut short (proxy/cuts.py); `routed`: the prefix
+    # policy's reasons (affinity, spill, fallback; empty under other policies).
+    responses: dict[str, int] = {}
+    cuts: int = 0
+    routed: dict[str, int] = {}
 
 
 class Nudge(msgspec.Struct, frozen=True, kw_only=True):

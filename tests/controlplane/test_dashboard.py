@@ -10,6 +10,7 @@ import asyncio
 import math
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -485,3 +486,82 @@ async def test_a_spec_that_does_not_decode_is_the_error_not_a_crash(store: Store
     assert fleet["error"] == poller.error
     assert [s["name"] for s in fleet["services"]] == ["svc"]  # the last good read
     assert poller.seq == 2  # the step completed: streams were woken with the error
+
+
+# -- errors/s and routing reasons from the proxies' heartbeat counters ------------------------
+
+
+def _beat(at: float, *, ok: int = 0, five: int = 0, cuts: int = 0,
+          routed: dict[str, Any] | None = None, responses: dict[str, Any] | None = None,
+          ) -> dict[str, Any]:  # fmt: skip
+    return {"generation": 1, "seen_at": at, "connected": True,
+            "responses": responses if responses is not None else {
+                "2xx": ok, "3xx": 0, "4xx": 0, "5xx": five},
+            "cuts": cuts, "routed": routed or {}}  # fmt: skip
+
+
+async def test_errors_and_routing_reasons_are_rates_of_the_heartbeat_counters(
+    store: Store, redis_client: aioredis.Redis,
+) -> None:  # fmt: skip
+    """Two proxies' heartbeats, as their Redis user writes them: the fleet row's errors/s
+    and the chart sample's routing reasons are the sums of their rates; a proxy that
+    restarted (counters went down) counts from 0, a hostile one is clamped or skipped."""
+    await _two_replicas(store)
+    key = store.keys.proxies("svc")
+    t = time.time()
+    clock = [t]
+    poller = Poller(store, clock=lambda: clock[0])
+
+    async def beats(**entries: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        if entries:
+            await redis_client.hset(key, mapping={
+                k: msgspec.json.encode(v) for k, v in entries.items()})
+        await poller.step()
+        fleet = msgspec.json.decode(poller.fleet)["services"][0]
+        return fleet, list(poller.history["svc"])[-1]
+
+    fleet, point = await beats(a=_beat(t, ok=100, five=1, routed={"affinity": 10, "spill": 0}))
+    assert fleet["errors_per_s"] is None or fleet["errors_per_s"] == 0  # a first beat: no rate
+    clock[0] = t + 2
+    fleet, point = await beats(
+        a=_beat(t + 2, ok=200, five=5, cuts=2, routed={"affinity": 30, "spill": 4}),
+        b=_beat(t + 2, ok=0))
+    assert fleet["errors_per_s"] == 3.0  # (4 more 5xx + 2 cuts) / 2 s
+    assert point["errors"] == 3.0
+    assert point["routed"] == {"affinity": 10.0, "spill": 2.0}
+    # The same heartbeats again (the poller ticked between two proxy writes): same rates.
+    clock[0] = t + 2.5
+    fleet, point = await beats()
+    assert fleet["errors_per_s"] == 3.0 and point["routed"] == {"affinity": 10.0, "spill": 2.0}
+    # `a` restarted (its counters start again); `b` is hostile: negative, huge, many keys.
+    clock[0] = t + 3
+    fleet, point = await beats(
+        a=_beat(t + 3, ok=1, five=1, routed={"affinity": 2}),
+        b=_beat(t + 3, responses={"2xx": -5, "5xx": 2**70}, cuts=-1,
+                routed={f"r{i}": 1 for i in range(50)}))
+    assert fleet["errors_per_s"] is not None and math.isfinite(fleet["errors_per_s"])
+    assert fleet["errors_per_s"] <= 1e7 + 1  # clamped
+    assert point["routed"]["affinity"] == 2.0  # from 0 after the restart, not negative
+    assert len(point["routed"]) <= 1 + 8
+    # Every proxy gone quiet: n/a, not a stale rate.
+    clock[0] = t + 30
+    fleet, point = await beats()
+    assert fleet["errors_per_s"] is None and point["routed"] is None
+
+
+def test_rate_tracker_skips_what_is_not_a_count() -> None:
+    from controlplane.dashboard.rates import RateTracker
+    from proxy.wire.telemetry import ProxyHeartbeat
+
+    tracker = RateTracker()
+
+    def beat(at: float, five: Any, reason: Any) -> ProxyHeartbeat:
+        return ProxyHeartbeat(seen_at=at, responses={"2xx": 0, "5xx": five},
+                              routed={"affinity": reason, "": 5, "x" * 40: 5})  # type: ignore[dict-item]
+
+    tracker.update("s", {"p": beat(0.0, 0, 0)}, 0.0)
+    rates = tracker.update("s", {"p": beat(1.0, math.nan, math.inf)}, 1.0)
+    assert rates.errors_per_s == 0.0  # NaN 5xx skipped
+    assert not rates.routed  # inf skipped; empty and overlong names ignored
+    # An older proxy (no counters at all): n/a.
+    assert tracker.update("old", {"p": ProxyHeartbeat(seen_at=1.0)}, 1.0).errors_per_s is None

@@ -179,6 +179,10 @@ async def test_pages_match_status_and_follow_a_rollout_live(fleet: Fleet) -> Non
         assert await fleet_page.evaluate(
             "document.querySelector('tr[data-service=echo] [data-col=status]').textContent"
         ) == status["status"]
+        # The real proxy's heartbeats carry its counters: errors/s is a number, not n/a.
+        await fleet_page.wait_for(
+            "/^[0-9.]+$/.test(document.querySelector('tr[data-service=echo] "
+            "[data-col=errors]')?.textContent || '')", what="errors/s from the heartbeats")
 
         page = await browser.new_page()
         await page.goto(fleet.dashboard + "/service/echo")
@@ -315,6 +319,54 @@ async def test_engine_columns_and_ttft_chart_when_engines_report(
             assert await page.evaluate("document.querySelectorAll('main img').length") == 0
             await page.screenshot(SHOTS / "service-engines-light.png")
             assert page.console_errors == [], page.console_errors
+    finally:
+        await runner.cleanup()
+        await poller.aclose()
+
+
+async def test_routing_reasons_chart_and_errors_from_heartbeat_counters(
+    redis_client: aioredis.Redis, redis_prefix: str, tmp_path: Path,
+) -> None:  # fmt: skip
+    """Two successive heartbeats of a proxy whose prefix policy counts reasons: the
+    service page draws the routing-reasons chart (a line per reason) and the errors/s
+    chart, the fleet page shows errors/s. (In-process dashboard on a real redis-server,
+    heartbeats written as a proxy writes them, real Chromium.)"""
+    store = Store(redis_client, prefix=redis_prefix)
+    await registered(store, "svc", spec=make_spec(2).to_json())
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    poller = Poller(store, interval=0.2)
+    config = DashboardConfig(port=free_port())
+    runner = web.AppRunner(make_app(poller, config), access_log=None, shutdown_timeout=0.5)
+    await runner.setup()
+    await web.TCPSite(runner, HOST, config.port).start()
+    key = store.keys.proxies("svc")
+    t = time.time() + 30  # ahead of the clock: fresh for the whole test
+    for n, at in enumerate((t, t + 1.0)):
+        beat = ProxyHeartbeat(generation=1, seen_at=at, connected=True,
+                              responses={"2xx": 100 * n, "5xx": 4 * n}, cuts=n,
+                              routed={"affinity": 30 * n, "spill": 5 * n, "fallback": 2 * n})
+        await redis_client.hset(key, "p1", msgspec.json.encode(beat))
+        await poller.step()
+    await poller.start()
+    try:
+        async with Chromium.launch(tmp_path) as browser:
+            page = await browser.new_page()
+            await page.goto(f"http://{HOST}:{config.port}/service/svc")
+            await page.wait_for("document.querySelectorAll('[data-chart=routing] path')"
+                                ".length >= 3", what="the routing-reasons chart")  # fmt: skip
+            text = await page.evaluate(
+                "document.querySelector('[data-chart=routing]').textContent")
+            assert all(r in text for r in ("affinity", "spill", "fallback")), text
+            await page.wait_for("!!document.querySelector('[data-chart=errors] path')",
+                                what="the errors/s chart")  # fmt: skip
+            await page.screenshot(SHOTS / "service-routing-light.png")
+            fleet_page = await browser.new_page()
+            await fleet_page.goto(f"http://{HOST}:{config.port}/")
+            shown = await fleet_page.wait_for(
+                "document.querySelector('tr[data-service=svc] [data-col=errors]')?.textContent",
+                what="the fleet row's errors/s")  # fmt: skip
+            assert shown == "5", shown  # (4 5xx + 1 cut) / 1 s
+            assert page.console_errors == [] and fleet_page.console_errors == []
     finally:
         await runner.cleanup()
         await poller.aclose()

@@ -18,6 +18,7 @@ from proxy import http
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamConnectError
 from proxy.exchange import DONE, SENT, STREAMING, WAIT_CONN, WAIT_REPLICA, Exchange
+from proxy.failures import FailureLog
 from proxy.interfaces import (
     PAUSE_BODY_BUFFER,
     ConnectionWaiter,
@@ -56,6 +57,7 @@ class FakeContext:
         self.stats = Stats()
         self.draining = False
         self.access_log = None
+        self.failures = FailureLog(None)
 
     @property
     def now(self) -> float:

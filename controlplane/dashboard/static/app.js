@@ -143,7 +143,8 @@ function renderFleet(data) {
       s.last_failure ? h("span", { class: "reason" }, "last failure: " + s.last_failure) : null),
     h("td", {}, link(s.endpoint)),
     h("td", { class: "num", "data-col": "rps" }, num(s.rps)),
-    h("td", { class: "num", title: "proxies do not publish error counts to Redis; see their /metrics" },
+    h("td", { class: "num", "data-col": "errors",
+      title: "5xx and cut responses per second, from the proxies' heartbeats (n/a: no proxy reports them)" },
       s.errors_per_s === null ? "n/a" : num(s.errors_per_s)),
     h("td", { class: "num" }, num(s.inflight)),
     h("td", { "data-col": "rollout" }, rolloutCell(s.rollout))));
@@ -266,6 +267,16 @@ function charts(history, now, windowS) {
     chart("Replicas by state", stateSeries, now, windowS,
       { id: "states", stacked: true, integer: true }),
   ];
+  const errors = pick("errors");
+  if (errors.length) out.push(chart("Errors/s (5xx and cut)", [{ name: "errors/s",
+    color: "--c4", points: errors }], now, windowS, { id: "errors" }));
+  // Routing reasons (the prefix policy's affinity/spill/fallback), when proxies count them.
+  const reasons = new Set();
+  for (const p of history) for (const k of Object.keys(p.routed || {})) reasons.add(k);
+  if (reasons.size) out.push(chart("Routing reasons (req/s)", [...reasons].sort().map((r, i) => ({
+    name: r, color: COLORS[i % COLORS.length],
+    points: history.filter((p) => p.routed).map((p) => [p.t, p.routed[r] || 0]),
+  })), now, windowS, { id: "routing" }));
   const ttft = pick("ttft");
   if (ttft.length) out.push(chart("TTFT (s, mean of replicas)", [{ name: "ttft", color: "--c5",
     points: ttft }], now, windowS, { id: "ttft", digits: 3 }));
