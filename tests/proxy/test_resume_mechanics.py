@@ -135,7 +135,10 @@ async def test_a_refused_continuation_cuts_the_stream_and_counts_it() -> None:
     assert len(second.requests) == 1
     outcomes = {k[2]: v for k, v in app.stats.resumes.items()}
     assert outcomes == {"attempted": 1, "failed": 1}
-    assert app.stats.responses == {200: 1}
+    # Counted as a cut by the cause of the first replica's end, never as a plain 200.
+    assert app.stats.responses == {}
+    assert list(app.stats.cuts.values()) == [1]
+    assert set(app.stats.cuts) <= {"upstream_reset", "upstream_eof"}
 
 
 async def test_resume_attempts_bound_a_stream_whose_replicas_keep_failing() -> None:
