@@ -18,17 +18,16 @@ import pytest
 from controlplane import ops
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
-from controlplane.backends.skypilot import (
+from controlplane.backends.skypilot import SkyPilotBackend, SkyPilotConfig
+from controlplane.backends.skypilot_sdk import SdkError
+from controlplane.backends.skypilot_task import (
     CLUSTER_NAME_RE,
-    SkyPilotBackend,
-    SkyPilotConfig,
     cluster_name,
     cluster_prefix,
     parse_cluster,
     replica_url,
     task_config,
 )
-from controlplane.backends.skypilot_sdk import SdkError
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
