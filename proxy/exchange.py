@@ -420,11 +420,7 @@ class Exchange:
                 length = True
             out.append(b"%s: %s\r\n" % (name, value))
         if connection is not None:
-            named = http.named_hop_headers(connection)
-            if named:
-                out = [out[0]] + [
-                    line for line in out[1:] if line.split(b":", 1)[0].lower() not in named
-                ]
+            out = http.drop_named_hop(out, connection, 1)  # out[0] is the status line
         no_body = self.is_head or status == 204 or status == 304
         if not no_body and not length:
             if not chunked:

@@ -73,6 +73,18 @@ def named_hop_headers(values: list[bytes]) -> set[bytes]:
     return names - NOT_NAMEABLE
 
 
+def drop_named_hop(lines: list[bytes], connection: list[bytes], first: int = 0) -> list[bytes]:
+    """`lines` without the header lines (from index `first` on) that the `Connection:`
+    values name (RFC 9110 7.6.1); the same list when they name none. Both directions
+    of the request path use it: the request head and the relayed response head."""
+    named = named_hop_headers(connection)
+    if not named:
+        return lines
+    return lines[:first] + [
+        line for line in lines[first:] if line.split(b":", 1)[0].lower() not in named
+    ]
+
+
 def error_response(code: int, error: str, detail: str, *, close: bool,
                    retry_after: int | None = None) -> bytes:
     """A complete proxy-generated response with a small JSON body (no internals)."""

@@ -344,12 +344,7 @@ class ClientConnection(asyncio.Protocol):
             elif method != b"OPTIONS":
                 raise _Reject(http.BAD_TARGET, 400)  # asterisk-form is OPTIONS' alone
         if connection is not None:
-            named = http.named_hop_headers(connection)
-            if named:
-                keep = [
-                    line for line in keep
-                    if line.split(b":", 1)[0].lower() not in named
-                ]
+            keep = http.drop_named_hop(keep, connection)
         keep.append(b"X-Forwarded-For: %s%s\r\n" % (xff, self.peer))
         keep.append(self.peer_tail)
         if host:
