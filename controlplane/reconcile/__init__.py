@@ -3,10 +3,9 @@
 Owns: the reconcile loop (`loop.Controller`), one service's plan (`plan`) and
 the steps that make it (`planner`), the launch and termination tasks (`tasks`),
 the per-service autoscalers (`autoscaling`), the controller's config (`config`),
-and the leader lease around it (`leader.run_controller`). May import:
-controlplane's records, states, store, spec, rollout, autoscaler, lifecycle,
-prober, lease and backends, and `proxy.wire`; nothing in controlplane imports it
-but the CLI and `sluice run` (controlplane/run).
+and the leader lease around it (`leader.run_controller`). What it may import:
+`MAY_IMPORT` in scripts/import_graph.py (tests/test_layout.py runs it); nothing in
+controlplane imports it but the CLI and `sluice run` (controlplane/run).
 
 `Controller.step()` reconciles each service once; `Controller.run()` calls it
 whenever something happens (a nudge on the control channel, a probe result, a

@@ -32,8 +32,8 @@ This package re-exports only what callers outside it use; the rest (the defaults
 the field types, PortSpec, Resources, ServiceSection...) is imported from the module
 that defines it.
 
-May import: msgspec, PyYAML and the wire contract from `proxy` (PrefixOptions);
-nothing else of controlplane.
+It imports msgspec, PyYAML and the wire contract (policy names, PrefixOptions), nothing
+else of sluice: scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
 from controlplane.spec.compat import is_count_only_change
