@@ -404,17 +404,14 @@ class Exchange:
         hop = http.HOP_BY_HOP
         length = False
         chunked = False
-        connection: list[bytes] | None = None
+        connection: bytes | None = None  # the Connection values, comma-joined
         for name, value in headers:
             lname = name.lower()
             if lname in hop:
                 if lname == b"transfer-encoding":
                     chunked = True
                 elif lname == b"connection":
-                    if connection is None:
-                        connection = [value]
-                    else:
-                        connection.append(value)
+                    connection = value if connection is None else connection + b"," + value
                 continue
             if lname == b"content-length":
                 length = True

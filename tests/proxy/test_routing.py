@@ -139,6 +139,27 @@ async def test_hop_by_hop_request_headers_are_stripped(fleet: Fleet) -> None:
     assert header_values(echo, "X-End-To-End") == ["kept"]
 
 
+async def test_every_connection_header_names_hop_headers_but_never_framing(
+    fleet: Fleet,
+) -> None:
+    """Two `Connection:` lines: the names of both are removed; one naming Content-Length
+    does not unframe the body."""
+    resp = await rawhttp.fetch(fleet.proxy.port, get(
+        "/echo",
+        "Connection: X-Hop-A",
+        "X-Hop-A: a",
+        "Connection: x-hop-b , content-length",
+        "X-Hop-B: b",
+        "X-End-To-End: kept",
+        method="POST", body=b"abc",
+    ))
+    echo = echoed(resp)
+    names = {k.lower() for k, _ in echo["headers"]}
+    assert names & {"x-hop-a", "x-hop-b", "connection"} == set()
+    assert header_values(echo, "X-End-To-End") == ["kept"]
+    assert echo["body_length"] == 3
+
+
 async def test_forwarded_headers_added_and_host_is_the_replicas(fleet: Fleet) -> None:
     resp = await rawhttp.fetch(fleet.proxy.port, get(
         "/echo", "X-Forwarded-For: 203.0.113.7", "X-Forwarded-Proto: https",
@@ -253,6 +274,27 @@ async def test_hop_by_hop_response_headers_are_stripped(proxy_factory: ProxyFact
             assert resp.all("X-End-To-End") == ["kept"]
             again = await conn.request(get("/hop"))  # the client connection survived
             assert again.status == 200
+
+
+async def test_every_connection_header_of_a_response_names_hop_headers(
+    proxy_factory: ProxyFactory,
+) -> None:
+    reply = (b"HTTP/1.1 200 OK\r\n"
+             b"Connection: X-Hop-A\r\n"
+             b"X-Hop-A: a\r\n"
+             b"Connection: x-hop-b, Content-Length\r\n"
+             b"X-Hop-B: b\r\n"
+             b"Content-Length: 2\r\n"
+             b"X-End-To-End: kept\r\n"
+             b"\r\nok")
+    async with ScriptedUpstream({"/hop": reply}) as upstream:
+        proxy = await proxy_factory.astart(*BASE_ARGS, replicas=[upstream.url])
+        async with rawhttp.connect(proxy.port) as conn:
+            resp = await conn.request(get("/hop"))
+            assert (resp.status, resp.body) == (200, b"ok")
+            assert resp.names & {"x-hop-a", "x-hop-b"} == set()
+            assert resp.header("Content-Length") == "2"
+            assert resp.all("X-End-To-End") == ["kept"]
 
 
 async def test_content_encoding_passes_through_untouched(proxy_factory: ProxyFactory) -> None:
