@@ -1,6 +1,7 @@
 """The code's layering (docs/architecture.md): no import cycle, including imports made
-only for the type checker or inside functions, and imports go one way between the
-packages. `scripts/import_graph.py` is the check; this runs it."""
+only for the type checker or inside functions; imports go one way between the
+packages, and each package imports only what its `MAY_IMPORT` rule allows.
+`scripts/import_graph.py` is the check; this runs it."""
 
 from __future__ import annotations
 
