@@ -253,10 +253,14 @@ async def test_upstream_connections_are_pooled_and_reused(
 
 
 async def test_hop_by_hop_response_headers_are_stripped(proxy_factory: ProxyFactory) -> None:
+    """Including every header each of two `Connection:` lines names, but never the
+    framing (a Connection naming Content-Length does not unframe the body)."""
     reply = (b"HTTP/1.1 200 OK\r\n"
              b"Content-Length: 2\r\n"
              b"Connection: X-Upstream-Hop\r\n"
              b"X-Upstream-Hop: secret\r\n"
+             b"Connection: x-hop-b, Content-Length\r\n"
+             b"X-Hop-B: b\r\n"
              b"Keep-Alive: timeout=5, max=100\r\n"
              b"Proxy-Authenticate: Basic realm=\"r\"\r\n"
              b"Trailer: X-Checksum\r\n"
@@ -268,33 +272,13 @@ async def test_hop_by_hop_response_headers_are_stripped(proxy_factory: ProxyFact
         async with rawhttp.connect(proxy.port) as conn:
             resp = await conn.request(get("/hop"))
             assert (resp.status, resp.body) == (200, b"ok")
-            assert resp.names & {"x-upstream-hop", "keep-alive", "proxy-authenticate",
-                                 "trailer", "upgrade"} == set()
+            assert resp.names & {"x-upstream-hop", "x-hop-b", "keep-alive",
+                                 "proxy-authenticate", "trailer", "upgrade"} == set()
+            assert resp.header("Content-Length") == "2"
             assert all("hop" not in v.lower() for v in resp.all("Connection"))
             assert resp.all("X-End-To-End") == ["kept"]
             again = await conn.request(get("/hop"))  # the client connection survived
             assert again.status == 200
-
-
-async def test_every_connection_header_of_a_response_names_hop_headers(
-    proxy_factory: ProxyFactory,
-) -> None:
-    reply = (b"HTTP/1.1 200 OK\r\n"
-             b"Connection: X-Hop-A\r\n"
-             b"X-Hop-A: a\r\n"
-             b"Connection: x-hop-b, Content-Length\r\n"
-             b"X-Hop-B: b\r\n"
-             b"Content-Length: 2\r\n"
-             b"X-End-To-End: kept\r\n"
-             b"\r\nok")
-    async with ScriptedUpstream({"/hop": reply}) as upstream:
-        proxy = await proxy_factory.astart(*BASE_ARGS, replicas=[upstream.url])
-        async with rawhttp.connect(proxy.port) as conn:
-            resp = await conn.request(get("/hop"))
-            assert (resp.status, resp.body) == (200, b"ok")
-            assert resp.names & {"x-hop-a", "x-hop-b"} == set()
-            assert resp.header("Content-Length") == "2"
-            assert resp.all("X-End-To-End") == ["kept"]
 
 
 async def test_content_encoding_passes_through_untouched(proxy_factory: ProxyFactory) -> None:
