@@ -48,7 +48,6 @@ import redis  # noqa: E402
 import uvloop  # noqa: E402
 
 from controlplane.records import ReplicaRecord, ServiceRecord, ServiceStatus  # noqa: E402
-from controlplane.redissentinel import SentinelGroup  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.states import ReplicaStatus  # noqa: E402
 from controlplane.store import Store, StoreError  # noqa: E402
@@ -57,6 +56,7 @@ from proxy.readyset import ReadySet  # noqa: E402
 from proxy.sources.redis import RedisSource  # noqa: E402
 from proxy.stats import Stats  # noqa: E402
 from proxy.wire.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
+from tests.support.sentinel import SentinelGroup  # noqa: E402
 
 PREFIX = "bench"
 SERVICE = "prop"

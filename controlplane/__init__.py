@@ -8,13 +8,15 @@ Owns everything but the request path, layered so imports go one way (bottom firs
     lease, store/                             the only Redis readers/writers
     prober, lifecycle, rollout, autoscaler    decisions, pure but for the prober's HTTP
     backends/                                 how replicas run (local, external, skypilot)
-    ops/                                      the ops commands: Redis only, nudge the controller
-    reconcile/                                the controller
-    run/, cli/, display, redisserver, redissentinel   the commands users run
+    ops/ | reconcile/                         side by side (neither imports the other): the
+                                              ops commands (Redis only, they nudge the
+                                              controller) | the controller
+    run/, cli/, display, redisserver          the commands users run
 
 May import from the proxy only `proxy.wire` (the contract), `proxy.redisurl` (Redis URL
 parsing, shared so both sides accept the same URLs) and `proxy.cli` (for
-`sluice proxy`); `python scripts/import_graph.py` checks it. The proxy package
+`sluice proxy`); `MAY_IMPORT` in scripts/import_graph.py holds every package's rule
+and tests/test_layout.py runs it. The proxy package
 (`sluice-proxy`, and the Sky Serve drop-in `proxy.skyserve`) also runs on 3.10, Sky
 Serve's controller runtime; this package does not.
 """

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 
 from controlplane.errors import LeaseLost, StoreError, redis_errors
 
-# The lines logged here are the controller's (as before the lease had its own module).
+# The lease's lines are the controller's: operators filter on one logger name.
 log = logging.getLogger("sluice.controller")
 
 # KEYS[1]: the lease key. ARGV[1]: the holder id, ARGV[2]: the TTL in milliseconds.

@@ -33,10 +33,10 @@ import aiohttp
 
 from controlplane import ops
 from controlplane.processes import free_port
-from controlplane.redissentinel import SentinelGroup
 from controlplane.states import UpdateMode
 from controlplane.store import Store, StoreError
 from loadtests.rollout import SERVE_PAUSE, SERVICE, Expected, Options, Processes, Stack
+from tests.support.sentinel import SentinelGroup
 
 PROXIES = 4
 WORKERS = 2

@@ -198,7 +198,7 @@ class ProxyApp:
             ctx.access_log = None
         pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
         self.ready_set.close()
-        waits = [pool.wait_closed() for pool in pools if isinstance(pool, ReplicaPool)]
+        waits = [pool.wait_closed() for pool in pools]
         if waits:
             await bounded(asyncio.gather(*waits), 0.5, "closing the connection pools")
         await bounded(self.source.aclose(), 2.0, "closing the ready-set source")

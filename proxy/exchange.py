@@ -411,27 +411,20 @@ class Exchange:
         hop = http.HOP_BY_HOP
         length = False
         chunked = False
-        connection: list[bytes] | None = None
+        connection: bytes | None = None  # the Connection values, comma-joined
         for name, value in headers:
             lname = name.lower()
             if lname in hop:
                 if lname == b"transfer-encoding":
                     chunked = True
                 elif lname == b"connection":
-                    if connection is None:
-                        connection = [value]
-                    else:
-                        connection.append(value)
+                    connection = value if connection is None else connection + b"," + value
                 continue
             if lname == b"content-length":
                 length = True
             out.append(b"%s: %s\r\n" % (name, value))
         if connection is not None:
-            named = http.named_hop_headers(connection)
-            if named:
-                out = [out[0]] + [
-                    line for line in out[1:] if line.split(b":", 1)[0].lower() not in named
-                ]
+            out = http.drop_named_hop(out, connection, 1)  # out[0] is the status line
         no_body = self.is_head or status == 204 or status == 304
         if not no_body and not length:
             if not chunked:

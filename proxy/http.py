@@ -65,12 +65,17 @@ def connection_tokens(value: bytes) -> set[bytes]:
     return {t.strip().lower() for t in value.split(b",") if t.strip()}
 
 
-def named_hop_headers(values: list[bytes]) -> set[bytes]:
-    """Header names the `Connection:` values make hop-by-hop, framing headers excepted."""
-    names: set[bytes] = set()
-    for value in values:
-        names |= connection_tokens(value)
-    return names - NOT_NAMEABLE
+def drop_named_hop(lines: list[bytes], connection: bytes, first: int = 0) -> list[bytes]:
+    """`lines` without the header lines (from index `first` on) that `connection` (every
+    `Connection:` value of the message, comma-joined) names hop-by-hop (RFC 9110 7.6.1),
+    framing headers excepted; the same list when it names none. Both directions of the
+    request path use it: the request head and the relayed response head."""
+    named = connection_tokens(connection) - NOT_NAMEABLE
+    if not named:
+        return lines
+    return lines[:first] + [
+        line for line in lines[first:] if line.split(b":", 1)[0].lower() not in named
+    ]
 
 
 def error_response(code: int, error: str, detail: str, *, close: bool,

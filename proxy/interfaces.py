@@ -3,8 +3,9 @@
 The request path is a ring of objects that call each other: an Exchange asks a
 pool for a connection, the pool answers it later as a waiter, the connection
 hands response events back to the Exchange, which drives the connection and the
-client. Written with concrete classes, those references are import cycles
-(pool <-> server <-> upstream, policies <-> readyset <-> prefix). Each module
+client. Written with concrete classes, those references would be import cycles
+(server <-> exchange, exchange <-> pool <-> upstream <-> exchange, policies and
+prefix <-> replica). Each module
 instead names here only what it uses of the others, and imports this module
 alone: this module imports nothing from the proxy.
 
@@ -138,6 +139,9 @@ class ConnectionPool(Protocol):
     def release(self, conn: UpstreamLink, reusable: bool) -> None: ...
 
     def close(self) -> None: ...
+
+    async def wait_closed(self) -> None:
+        """Return once the connections `close()` began closing are closed."""
 
     @property
     def size(self) -> int: ...

@@ -68,6 +68,8 @@ class ReadySet:
         self.known: dict[str, Replica] = {}
         self.policy: Policy = make_policy(policy_override or DEFAULT_POLICY, target_qps,
                                           prefix_options)
+        # The prefix options the policy was made with (a prefix policy keeps them).
+        self._policy_prefix = prefix_options or PrefixOptions()
         self.applied_at = 0.0  # wall clock of the last apply
         # Requests held for a replica (their wake callbacks), FIFO; removal is O(1).
         self._waiters: WaiterQueue[Callable[[], None]] = WaiterQueue()
@@ -121,10 +123,10 @@ class ReadySet:
         policy = self.policy
         wanted = self._policy_override or snapshot.policy
         prefix = self._prefix_override or snapshot.prefix_options or PrefixOptions()
-        if wanted != policy.name or (
-                wanted == "prefix" and getattr(policy, "options", None) != prefix):
+        if wanted != policy.name or (wanted == "prefix" and self._policy_prefix != prefix):
             try:
                 policy = make_policy(wanted, self._target_qps, prefix)
+                self._policy_prefix = prefix
             except ConfigError:
                 log.warning("snapshot %d names unknown policy %r; keeping %s",
                             snapshot.generation, wanted, policy.name)

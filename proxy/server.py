@@ -347,12 +347,7 @@ class ClientConnection(asyncio.Protocol):
             elif method != b"OPTIONS":
                 raise _Reject(http.BAD_TARGET, 400)  # asterisk-form is OPTIONS' alone
         if connection is not None:
-            named = http.named_hop_headers(connection)
-            if named:
-                keep = [
-                    line for line in keep
-                    if line.split(b":", 1)[0].lower() not in named
-                ]
+            keep = http.drop_named_hop(keep, connection)
         keep.append(b"X-Forwarded-For: %s%s\r\n" % (xff, self.peer))
         keep.append(self.peer_tail)
         if host:
@@ -398,13 +393,13 @@ class ClientConnection(asyncio.Protocol):
         return tokens == {b"h2c"}
 
     def _scan_headers(self, http11: bool) -> tuple[
-            list[bytes], bytes, bytes, bytes, int, list[bytes] | None, bool]:
+            list[bytes], bytes, bytes, bytes, int, bytes | None, bool]:
         """Sort the request's headers: the lines forwarded as they are, and what the
         proxy decides itself (Host, X-Forwarded-For, Transfer-Encoding, Content-Length,
         Connection, Expect). Refuses ambiguous framing, a bad Host and an oversized body.
 
         Returns (kept lines, host, X-Forwarded-For prefix, Transfer-Encoding values,
-        Content-Length, Connection values or None, Expect: 100-continue).
+        Content-Length, the Connection values comma-joined or None, Expect: 100-continue).
         """
         keep = []
         host = b""
@@ -414,7 +409,7 @@ class ClientConnection(asyncio.Protocol):
         expect = False
         n_length = 0
         length = 0
-        connection: list[bytes] | None = None
+        connection: bytes | None = None  # the Connection values, comma-joined
         drop = http.REQUEST_DROP
         for name, value in self.headers:
             lname = name.lower()
@@ -430,10 +425,7 @@ class ClientConnection(asyncio.Protocol):
                         raise _Reject(http.EXPECT_REFUSED, 417)
                     expect = True
                 elif lname == b"connection":
-                    if connection is None:
-                        connection = [value]
-                    else:
-                        connection.append(value)
+                    connection = value if connection is None else connection + b"," + value
                 continue
             if lname == b"content-length":
                 n_length += 1

@@ -10,7 +10,9 @@ still a cycle here. The layering rules (docs/architecture.md):
 
 - proxy.wire imports nothing else of sluice;
 - proxy never imports controlplane;
-- controlplane imports from proxy only proxy.wire, proxy.redisurl and proxy.cli.
+- controlplane imports from proxy only proxy.wire, proxy.redisurl and proxy.cli;
+- each package imports from the rest of sluice only what `MAY_IMPORT` lists for it
+  (the package docstrings point here; a package missing from it is a breach).
 
 A function over the limit whose docstring says "Long because" is listed apart.
 Exits 1 on a cycle or a breach. Standard library only, so it runs anywhere.
@@ -134,8 +136,56 @@ def _long_functions(path: Path, limit: int) -> Iterator[tuple[str, int, bool]]:
 CONTROLPLANE_MAY_IMPORT = ("proxy.wire", "proxy.redisurl", "proxy.cli")
 
 
-def _breach(a: str, b: str) -> str | None:
-    """Why the edge a -> b breaks the layering, or None."""
+_CP = "controlplane."
+#: What each package's modules may import from sluice outside their own package:
+#: module names or package prefixes ("controlplane" alone: all of it). The standard
+#: library and third-party packages are not checked. `controlplane` and `proxy` are
+#: their top-level modules (the leaves, the decisions, the proxy's request path).
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "proxy.wire": (),
+    # the proxy process wires the ready-set sources in (app.py)
+    "proxy": ("proxy.wire", "proxy.sources"),
+    # never the app, the runner or the CLI
+    "proxy.sources": ("proxy.wire", "proxy.config", "proxy.errors", "proxy.readyset",
+                      "proxy.stats", "proxy.tasks", "proxy.compat", "proxy.redisurl",
+                      "proxy.tally"),
+    # display shows ops' views; the decisions read the spec
+    "controlplane": (_CP + "spec", _CP + "ops", *CONTROLPLANE_MAY_IMPORT),
+    # the wire contract only (policy names, PrefixOptions); nothing else of controlplane
+    "controlplane.spec": ("proxy.wire",),
+    # nothing in the control plane above it (reconcile, ops, cli)
+    "controlplane.store": (_CP + "errors", _CP + "records", _CP + "states", _CP + "lease",
+                           "proxy.wire", "proxy.redisurl"),
+    # never the store (backends do not touch Redis) nor the controller
+    "controlplane.backends": (_CP + "records", _CP + "spec", _CP + "statedir",
+                              _CP + "processes", "proxy.wire"),
+    "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+                         _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
+                         _CP + "backends", "proxy.wire"),
+    "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+                               _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
+                               _CP + "prober", _CP + "lease", _CP + "processes",
+                               _CP + "backends", _CP + "engines", "proxy.wire"),
+    # scraping the engines' metrics and publishing the view (the store's engines key)
+    "controlplane.engines": (_CP + "store", _CP + "records", _CP + "states", "proxy.wire"),
+    "controlplane.dashboard": (_CP + "ops", _CP + "store", _CP + "records", _CP + "states",
+                               "proxy.wire"),
+    # `sluice run`: everything but the CLI
+    "controlplane.run": (_CP + "ops", _CP + "store", _CP + "backends", _CP + "reconcile",
+                         _CP + "display", _CP + "redisserver", _CP + "statedir",
+                         _CP + "processes", _CP + "records", _CP + "states", _CP + "spec",
+                         "proxy.wire"),
+    # all of controlplane; nothing in controlplane imports it
+    "controlplane.cli": ("controlplane", "proxy.cli", "proxy.wire"),
+}
+
+
+def _within(name: str, allowed: str) -> bool:
+    return name == allowed or name.startswith(allowed + ".")
+
+
+def _breach(a: str, b: str, pa: str = "", pb: str = "") -> str | None:
+    """Why the edge a -> b (modules of packages pa, pb) breaks the layering, or None."""
     if a.startswith("proxy.wire") and not b.startswith("proxy.wire"):
         return "proxy.wire imports only itself"
     if a.startswith("proxy") and b.startswith("controlplane"):
@@ -144,6 +194,11 @@ def _breach(a: str, b: str) -> str | None:
         b == allowed or b.startswith(allowed + ".") for allowed in CONTROLPLANE_MAY_IMPORT
     ):
         return f"controlplane imports from proxy only {', '.join(CONTROLPLANE_MAY_IMPORT)}"
+    if pa and pa != pb:
+        if pa not in MAY_IMPORT:
+            return f"package {pa} has no MAY_IMPORT rule"
+        if not any(_within(b, allowed) for allowed in MAY_IMPORT[pa]):
+            return f"{pa} may import only {', '.join(MAY_IMPORT[pa]) or 'itself'}"
     return None
 
 
@@ -181,7 +236,8 @@ def main() -> int:
     print("package edges (importer -> imported: module edges):")
     for (pa, pb), n in sorted(packages.items()):
         print(f"  {pa} -> {pb}: {n}")
-    breaches = [(a, b, why) for (a, b) in sorted(kinds) if (why := _breach(a, b))]
+    breaches = [(a, b, why) for (a, b) in sorted(kinds)
+                if (why := _breach(a, b, _package(a, modules), _package(b, modules)))]
     print(f"layering breaches: {len(breaches)}")
     for a, b, why in breaches:
         print(f"  {a} -> {b}: {why}")

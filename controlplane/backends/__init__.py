@@ -10,7 +10,6 @@
       skypilot_status the cache of `sky.status` and its refresher
       skypilot_sdk    SkyPilot's SDK behind one adapter (imported lazily)
 
-May import: controlplane.records, controlplane.spec, controlplane.statedir,
-controlplane.processes and `proxy.wire`; never the store (backends do not
-touch Redis) nor the controller.
+What it may import (never the store: backends do not touch Redis; nor the
+controller): scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """

@@ -57,23 +57,14 @@ from controlplane.backends.skypilot_sdk import (
 )
 from controlplane.backends.skypilot_status import ClusterStatus
 from controlplane.backends.skypilot_task import (
-    CLUSTER_NAME_RE,
     cluster_name,
-    cluster_prefix,
     infra_text,
     location_of,
-    parse_cluster,
     replica_url,
-    resources_text,
     task_config,
 )
 from controlplane.records import Handle
 from controlplane.spec import ServiceSpec
-
-# Re-exported: the names, the task and the status texts are this backend's.
-__all__ = ["CLUSTER_NAME_RE", "SkyPilotBackend", "SkyPilotConfig", "cluster_name", "cluster_prefix",
-           "infra_text", "parse_cluster", "replica_url", "resources_text", "stream_logs",
-           "task_config"]  # fmt: skip
 
 log = logging.getLogger("sluice.backend.skypilot")
 

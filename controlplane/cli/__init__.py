@@ -34,8 +34,9 @@ Modules: `common` (shared options, the error boundary, where Redis is), `service
 that the library also has are read from it (RunConfig, ControllerConfig, LagLimits,
 DEFAULT_PREFIX, DEFAULT_STATE_DIR), so each is written once.
 
-May import: all of controlplane and `proxy.cli` (the proxy command, --redis check);
+It may import all of controlplane and `proxy.cli` (the proxy command, --redis check);
 nothing in controlplane imports it (children start it as `python -m controlplane.cli`).
+The rules: scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
 from controlplane.cli.main import cli, main

@@ -1,5 +1,5 @@
-"""The service commands: `sluice up`, `update`, `down`, `status`, `snapshot`. They talk
-to Redis only (through `controlplane.ops` and the store)."""
+"""The service commands: `sluice up`, `update`, `down`, `status` (`snapshot` is
+cli/snapshot.py's). They talk to Redis only (through `controlplane.ops` and the store)."""
 
 from __future__ import annotations
 

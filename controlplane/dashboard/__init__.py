@@ -12,7 +12,7 @@ Its own process rather than a page of the proxy or controller: it needs neither'
 privileges (only what `sluice status` reads), it can run where the operator is, and a
 browser tab never adds load to the request path or the reconcile loop.
 
-May import: controlplane.ops, controlplane.store, controlplane.records/states, proxy.wire.
+What it may import: scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
 from controlplane.dashboard.run import serve

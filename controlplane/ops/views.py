@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 
 from controlplane.autoscaler import Autoscaler
-from controlplane.backends.skypilot import infra_text, resources_text
+from controlplane.backends.skypilot_task import infra_text, resources_text
 from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
 from controlplane.rollout import given_up_by, ready_version
 from controlplane.spec import ServiceSpec

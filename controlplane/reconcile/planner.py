@@ -1,15 +1,52 @@
-"""The numbered steps of one service's plan (see `controlplane.reconcile`): `Planner`
-turns `PlanInputs` into a `ServicePlan`.
+"""The numbered steps of one service's plan: `Planner` turns `PlanInputs` into a
+`ServicePlan`, and `Planner.plan` runs the steps below in order, each under its
+`# N.` section comment. `controlplane.reconcile.loop` reads the state before and
+commits the plan after, in ONE `Store.commit_with` (nothing written when nothing
+changed).
+
+1. finished launches: PROVISIONING -> STARTING with the backend's URL and handle
+   (or FAILED when its setup failed, FAILED_PROVISION for any other launch
+   failure); finished terminations: the record is deleted (or FAILED_CLEANUP);
+   launches a dead controller began are adopted or forgotten;
+2. liveness: a replica whose process is gone -> FAILED; a spot replica its
+   backend reports preempted -> PREEMPTED;
+3. probe results (`controlplane.prober`, `controlplane.lifecycle`): READY /
+   NOT_READY / FAILED_*;
+4. relabel: live replicas of an older version whose spec differs from the
+   latest only in relabel-safe fields (`spec.is_count_only_change`), and
+   every external replica, become the latest version. In the same commit the
+   active versions are recomputed, so the ready set never passes through a
+   state where nobody serves;
+5. scale and roll out: the service's autoscaler (`reconcile.autoscaling`) is
+   brought up to date (a decision when one is due, a reset after an update, a
+   scale from zero on a proxy's "demand" nudge); launch latest-version replicas
+   up to its target (split into spot and on-demand ones by
+   `autoscaler.fallback_plan` when the spec uses spot); retire old-version
+   replicas as new ones become READY
+   (rolling: one old per new READY one; blue_green: all at once when the new
+   version has min_replicas READY); retire surplus ones in scale-down order
+   (earliest state, older version, larger id first; instance-aware: lowest
+   capacity before larger id). Launching stops for a version that never
+   had a READY replica once one of its replicas failed for good before it
+   was ever ready (`rollout.gives_up_version`, Sky Serve's rule);
+6. drain and clean up: a retired replica is SHUTTING_DOWN (out of the ready
+   set) until no live proxy reports a request in flight on it, at most
+   `drain_seconds` or the spec's `service.sluice.max_drain_seconds` (no drain if
+   it never was READY; the rule is `controlplane.reconcile.drain`'s), then
+   terminated at once and its record deleted; failed and PREEMPTED replicas are terminated at once
+   (and replaced by step 5, since they no longer count). A service
+   marked SHUTTING_DOWN by `ops.down` is unregistered when no replica is left;
+7. the service status (READY, REPLICA_INIT, NO_REPLICA, FAILED).
 
 Planning does no Redis I/O and never awaits: it is a function of the state read,
-the specs and autoscaling signals gathered before it, the time, the config, and
-what the controller holds in memory (finished task outcomes, probe results, the
-autoscalers' windows, which `AutoscalerRegistry.observe` advances). The backends
-and the prober are asked synchronous questions only (has this process exited, was
-this spot replica preempted, what did a dead controller's launch leave;
-`Prober.poll`, which also starts the probes that are due). Launches,
-terminations, events and the autoscaler's writes happen after the commit
-(`controlplane.reconcile.loop`).
+the specs and autoscaling signals gathered before it (`loop.Controller._gather`),
+the time, the config, and what the controller holds in memory (finished task
+outcomes, probe results, the autoscalers' windows, which
+`AutoscalerRegistry.observe` advances). The backends and the prober are asked
+synchronous questions only (has this process exited, was this spot replica
+preempted, what did a dead controller's launch leave; `Prober.poll`, which also
+starts the probes that are due). Launches, terminations, events and the
+autoscaler's writes happen after the commit (`controlplane.reconcile.loop`).
 """
 
 from __future__ import annotations
@@ -53,7 +90,7 @@ log = logging.getLogger("sluice.controller")
 
 
 class Planner:
-    """The numbered steps of one service's plan (see `controlplane.reconcile`)."""
+    """The numbered steps of one service's plan (this module's docstring)."""
 
     def __init__(
         self,

@@ -38,8 +38,9 @@ controller and proxy processes), `service` (ServiceRun: the order above). The
 paths under the state dir come from `controlplane.statedir.StateDir`; leftover
 replicas are stopped by the local backend's `localproc.stop_groups`.
 
-May import: the rest of controlplane (ops, store, backends, display, redisserver,
-statedir, processes) and the proxy's wire contract; nothing imports it but the CLI.
+It may import the rest of controlplane but the CLI, and the proxy's wire contract
+(`MAY_IMPORT` in scripts/import_graph.py, run by tests/test_layout.py); nothing
+imports it but the CLI.
 """
 
 from controlplane.run.config import (

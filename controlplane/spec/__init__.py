@@ -28,71 +28,25 @@ Modules, in import order (each imports only those before it):
     compat    Sky Serve compatibility: refused keys, the count-only-change rule
     load      load_spec / parse_spec: YAML in, env substitution, one SpecError out
 
-May import: msgspec, PyYAML and the wire contract from `proxy` (PrefixOptions);
-nothing else of controlplane.
+This package re-exports only what callers outside it use; the rest (the defaults,
+the field types, PortSpec, Resources, ServiceSection...) is imported from the module
+that defines it.
+
+It imports msgspec, PyYAML and the wire contract (policy names, PrefixOptions), nothing
+else of sluice: scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
-from controlplane.spec.compat import RELABEL_SAFE_SERVICE_FIELDS, is_count_only_change
+from controlplane.spec.compat import is_count_only_change
 from controlplane.spec.errors import SpecError
 from controlplane.spec.load import fill_in_env_vars, load_spec, parse_spec
-from controlplane.spec.schema import PortSpec, Resources, ServiceSpec, port_ranges
-from controlplane.spec.service import (
-    DEFAULT_DOWNSCALE_DELAY_SECONDS,
-    DEFAULT_FAILURE_THRESHOLD_TIMEOUT,
-    DEFAULT_INITIAL_DELAY_SECONDS,
-    DEFAULT_LOAD_BALANCING_POLICY,
-    DEFAULT_MIN_REPLICAS,
-    DEFAULT_PROBE_INTERVAL_SECONDS,
-    DEFAULT_READINESS_TIMEOUT_SECONDS,
-    DEFAULT_STREAM_TIMEOUT_SECONDS,
-    DEFAULT_UPSCALE_DELAY_SECONDS,
-    INSTANCE_AWARE,
-    AcceleratorKey,
-    EnvName,
-    LoadBalancer,
-    NonNegFloat,
-    NonNegInt,
-    Port,
-    PosFloat,
-    PrefixRouting,
-    QpsMap,
-    ReadinessProbe,
-    ReplicaPolicy,
-    ServiceSection,
-    SluiceSection,
-    Tls,
-)
+from controlplane.spec.schema import ServiceSpec, port_ranges
+from controlplane.spec.service import ReadinessProbe, ReplicaPolicy
 
 __all__ = [
-    "DEFAULT_DOWNSCALE_DELAY_SECONDS",
-    "DEFAULT_FAILURE_THRESHOLD_TIMEOUT",
-    "DEFAULT_INITIAL_DELAY_SECONDS",
-    "DEFAULT_LOAD_BALANCING_POLICY",
-    "DEFAULT_MIN_REPLICAS",
-    "DEFAULT_PROBE_INTERVAL_SECONDS",
-    "DEFAULT_READINESS_TIMEOUT_SECONDS",
-    "DEFAULT_STREAM_TIMEOUT_SECONDS",
-    "DEFAULT_UPSCALE_DELAY_SECONDS",
-    "INSTANCE_AWARE",
-    "RELABEL_SAFE_SERVICE_FIELDS",
-    "AcceleratorKey",
-    "EnvName",
-    "LoadBalancer",
-    "NonNegFloat",
-    "NonNegInt",
-    "Port",
-    "PortSpec",
-    "PosFloat",
-    "PrefixRouting",
-    "QpsMap",
     "ReadinessProbe",
     "ReplicaPolicy",
-    "Resources",
-    "ServiceSection",
     "ServiceSpec",
-    "SluiceSection",
     "SpecError",
-    "Tls",
     "fill_in_env_vars",
     "is_count_only_change",
     "load_spec",

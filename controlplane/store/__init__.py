@@ -12,9 +12,8 @@ controlplane/lease.py, which the store uses).
 Callers import from here: `from controlplane.store import Store, Mutation, StoreError`.
 The errors are defined in controlplane/errors.py (shared with the lease) and re-exported.
 
-May import: controlplane.errors, controlplane.records, controlplane.states,
-controlplane.lease, proxy.wire, proxy.redisurl, redis-py, msgspec. Nothing in the
-control plane above it (reconcile, ops, cli).
+What it may import (nothing in the control plane above it):
+scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
 from controlplane.errors import (

@@ -16,8 +16,8 @@ once and closed once by the proxy app:
     ...
     await source.aclose()
 
-May import: proxy.wire, proxy.config, proxy.errors, proxy.readyset, proxy.stats,
-proxy.tasks, proxy.compat, proxy.redisurl; never the app, the runner or the CLI.
+What it may import (never the app, the runner or the CLI):
+scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ errors both sides share (errors.py), and the one way to follow a service's snaps
 (feed.py: subscribe, confirm, GET, follow, re-GET). docs/redis.md documents the same
 contract for users.
 
-May import: the standard library and msgspec only (feed.py is handed a redis-py client
-and imports redis-py's types for the type checker only). Everything else imports it: the
-proxy, and the control plane, which imports from `proxy` only this package, the Redis
-URL helpers (proxy/redisurl.py) and the proxy's command (proxy/cli.py, for
-`sluice proxy`); the proxy never imports the control plane.
+It imports nothing else of sluice, only the standard library and msgspec (feed.py is
+handed a redis-py client and imports redis-py's types for the type checker only).
+Everything else imports it: the proxy, and the control plane, which imports from `proxy`
+only this package, the Redis URL helpers (proxy/redisurl.py) and the proxy's command
+(proxy/cli.py, for `sluice proxy`). The rules:
+scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """

@@ -17,84 +17,20 @@ import pytest
 import redis.asyncio as aioredis
 
 from controlplane import ops
-from controlplane.backends.base import Launched
 from controlplane.backends.external import ExternalBackend
 from controlplane.display import status_text
-from controlplane.prober import ProbeResult
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.rollout import plan_rollout
-from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
+from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from tests.support.cli import sluice as run_cli
 from tests.support.cli import store_call
+from tests.support.fakes import FakeBackend, FakeProber
 
 NAME = "svc"
 T0 = 1_000_000.0
-
-
-class FakeBackend:
-    """A FAKE backend: no processes; a launch succeeds at once, terminate is recorded."""
-
-    name = "fake"
-    can_launch = True
-
-    def __init__(self) -> None:
-        self.terminated: set[int] = set()
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-    async def launch(
-        self, service: str, replica_id: int, version: int, spec: ServiceSpec
-    ) -> Launched:
-        return Launched(url=f"http://127.0.0.1:{20000 + replica_id}", handle={"id": replica_id})
-
-    def recover(self, service: str, replica_id: int) -> Launched | None:
-        return None
-
-    def exited(self, handle: dict[str, Any]) -> str | None:
-        return "terminated" if handle.get("id") in self.terminated else None
-
-    async def terminate(self, handle: dict[str, Any]) -> None:
-        replica_id = handle.get("id")
-        assert isinstance(replica_id, int)
-        self.terminated.add(replica_id)
-
-
-class FakeProber:
-    """A FAKE prober: every probed replica answers 200 at once, except spot replicas
-    never READY yet while `hold_spot` is set (spot instances still coming up)."""
-
-    def __init__(self) -> None:
-        self.hold_spot = False
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-    def poll(
-        self, service: str, replicas: list[tuple[ReplicaRecord, ReadinessProbe]], now: float
-    ) -> dict[int, ProbeResult]:
-        results = {}
-        for replica, _probe in replicas:
-            assert replica.url is not None
-            coming_up = replica.spot and replica.first_ready_at is None
-            ok = not (coming_up and self.hold_spot)
-            results[replica.id] = ProbeResult(replica.id, ok, "200" if ok else "503", replica.url)
-        return results
-
-    def forget_service(self, service: str) -> None:
-        pass
-
-    def next_due(self, service: str, replica_id: int, interval: float) -> float | None:
-        return None
 
 
 def spec(policy: dict[str, Any], *, use_spot: bool = False) -> ServiceSpec:
@@ -117,7 +53,7 @@ class Harness:
         self.store = store
         self.client = client
         self.now = T0
-        self.backend = FakeBackend()
+        self.backend = FakeBackend("fake")
         self.prober = FakeProber()
         config = ControllerConfig(
             redis_url="redis://unused",
@@ -324,7 +260,7 @@ async def test_spot_fallback_arithmetic_and_preemption_through_the_controller(
     snapshot = await h.store.snapshot(NAME)
     assert snapshot is not None and victim.id not in {r.id for r in snapshot.replicas}
     await h.tick()
-    assert victim.id in h.backend.terminated
+    assert victim.id in h.backend.terminated_replicas()
     assert victim.id not in await h.store.replicas(NAME)
     assert kinds(await h.live()) == (2, 1, 2)  # a new spot one starting, one on-demand more
 

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -39,41 +39,26 @@ from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from tests.support.builders import PROBE, RUN, make_spec, pid_of, ready_view
-from tests.support.controllers import Controllers, proxy_for
+from tests.support.controllers import proxy_for
+from tests.support.fakes import StartController, controller_config, controller_starter
 from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.ports import free_port
 from tests.support.processes import REPO, ProxyFactory, ReplicaFactory
 from tests.support.traffic import Traffic
 
-StartController = Callable[..., Awaitable[Controller]]
-
 
 @pytest.fixture
 def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
-    return ControllerConfig(
-        redis_url=redis_url,
-        prefix=redis_prefix,
-        state_dir=tmp_path / "state",
-        drain_seconds=1.0,
-        lease_ttl=1.0,
-        reconcile_interval=30.0,
-        term_timeout=3.0,
-        terminate_on_exit=True,  # teardown stops every replica the test launched
-    )
+    return controller_config(redis_url, redis_prefix, tmp_path)
 
 
 @pytest.fixture
 async def start_controller(
     store: Store, config: ControllerConfig
 ) -> AsyncIterator[StartController]:
-    controllers = Controllers()
-
-    async def start(**overrides: Any) -> Controller:
-        return await controllers.start(store, dataclasses.replace(config, **overrides))
-
-    yield start
-    await controllers.aclose()
+    async with controller_starter(store, config) as start:
+        yield start
 
 
 class SnapshotWatcher:

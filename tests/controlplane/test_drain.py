@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -21,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from controlplane import display, ops
-from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile import ControllerConfig
 from controlplane.reconcile.drain import (
     STALE_SECONDS,
     DrainReports,
@@ -33,7 +31,8 @@ from controlplane.spec import parse_spec
 from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 from tests.support.builders import make_spec, pid_of, ready_view
-from tests.support.controllers import Controllers, proxy_for
+from tests.support.controllers import proxy_for
+from tests.support.fakes import StartController, controller_config, controller_starter
 from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.processes import ProxyFactory
@@ -124,34 +123,18 @@ def test_status_shows_a_draining_replica_with_its_in_flight_count() -> None:
 
 # -- with real processes ----------------------------------------------------------------------
 
-StartController = Callable[..., Awaitable[Controller]]
-
-
 @pytest.fixture
 def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
-    return ControllerConfig(
-        redis_url=redis_url,
-        prefix=redis_prefix,
-        state_dir=tmp_path / "state",
-        drain_seconds=90.0,  # far beyond every wait below: only "idle" ends these drains
-        lease_ttl=1.0,
-        reconcile_interval=30.0,
-        term_timeout=3.0,
-        terminate_on_exit=True,
-    )
+    # drain_seconds far beyond every wait below: only "idle" ends these drains.
+    return controller_config(redis_url, redis_prefix, tmp_path, drain_seconds=90.0)
 
 
 @pytest.fixture
 async def start_controller(
     store: Store, config: ControllerConfig
 ) -> AsyncIterator[StartController]:
-    controllers = Controllers()
-
-    async def start(**overrides: Any) -> Controller:
-        return await controllers.start(store, dataclasses.replace(config, **overrides))
-
-    yield start
-    await controllers.aclose()
+    async with controller_starter(store, config) as start:
+        yield start
 
 
 async def drain_events(store: Store, name: str) -> list[dict[str, str]]:

@@ -31,17 +31,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from controlplane import ops
-from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.backends.external import ExternalBackend
-from controlplane.prober import ProbeResult
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.records import Handle, ReplicaRecord, ServiceRecord, compute_active_versions
+from controlplane.records import ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.rollout import plan_rollout, scale_down_order
-from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
+from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import Committed, MutationPlan, Store
 from proxy.wire.snapshot import ReadySnapshot
 from tests.support import builders
+from tests.support.fakes import FakeBackend, FakeProber
 
 R = TypeVar("R")
 
@@ -49,88 +48,6 @@ NAME = "svc"
 DRAIN = 5.0
 SEEDS = 24
 ACTIONS = 40
-
-
-class FakeBackend:
-    """A FAKE backend: no processes. A launch succeeds at once (unless the spec says
-    BROKEN=provision); `kill()` makes a replica's "process" exit."""
-
-    name = "local"
-    can_launch = True
-
-    def __init__(self) -> None:
-        self.launched: dict[int, int] = {}  # fake pid -> replica id
-        self.dead: set[int] = set()
-        self.terminated: set[int] = set()
-        self._next_pid = 1000
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-    async def launch(
-        self, service: str, replica_id: int, version: int, spec: ServiceSpec
-    ) -> Launched:
-        if spec.envs.get("BROKEN") == "provision":
-            raise LaunchFailed("fake: provisioning failed")
-        self._next_pid += 1
-        pid = self._next_pid
-        self.launched[pid] = replica_id
-        if spec.envs.get("BROKEN") == "crash":
-            self.dead.add(pid)  # the user's command exits at once
-        return Launched(url=f"http://127.0.0.1:{10000 + replica_id}", handle={"pid": pid})
-
-    def recover(self, service: str, replica_id: int) -> Launched | None:
-        return None
-
-    def exited(self, handle: Handle) -> str | None:
-        return "exited with code 1" if handle.get("pid") in self.dead else None
-
-    async def terminate(self, handle: Handle) -> None:
-        pid = handle.get("pid")
-        assert isinstance(pid, int)
-        self.terminated.add(pid)
-        self.dead.add(pid)
-
-    def kill(self, handle: Handle) -> None:
-        pid = handle.get("pid")
-        assert isinstance(pid, int)
-        self.dead.add(pid)
-
-
-class FakeProber:
-    """A FAKE prober: every step, every probed replica answers at once; 200 unless its
-    version is BROKEN=never, or it is in `failing`."""
-
-    def __init__(self) -> None:
-        self.failing: set[int] = set()
-        self.never_ready_versions: set[int] = set()
-
-    async def start(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-    def poll(
-        self, service: str, replicas: list[tuple[ReplicaRecord, ReadinessProbe]], now: float
-    ) -> dict[int, ProbeResult]:
-        results = {}
-        for replica, _probe in replicas:
-            assert replica.url is not None
-            ok = replica.id not in self.failing and (
-                replica.version not in self.never_ready_versions
-            )
-            results[replica.id] = ProbeResult(replica.id, ok, "200" if ok else "503", replica.url)
-        return results
-
-    def forget_service(self, service: str) -> None:
-        pass
-
-    def next_due(self, service: str, replica_id: int, interval: float) -> float | None:
-        return None
 
 
 class CheckedStore(Store):

@@ -13,12 +13,12 @@ from click.testing import CliRunner
 
 from controlplane.cli import cli
 from controlplane.records import ReplicaRecord, ServiceRecord
-from controlplane.redissentinel import SentinelGroup
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.cli import proxy_command
 from tests.support.poll import retrying
 from tests.support.processes import REPO
+from tests.support.sentinel import SentinelGroup
 
 pytestmark = pytest.mark.slow
 ECHO = REPO / "examples" / "echo.yaml"

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import io
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +18,23 @@ import pytest
 from controlplane import ops
 from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
-from controlplane.backends.skypilot import (
+from controlplane.backends.skypilot import SkyPilotBackend, SkyPilotConfig
+from controlplane.backends.skypilot_sdk import SdkError
+from controlplane.backends.skypilot_task import (
     CLUSTER_NAME_RE,
-    SkyPilotBackend,
-    SkyPilotConfig,
     cluster_name,
     cluster_prefix,
     parse_cluster,
     replica_url,
     task_config,
 )
-from controlplane.backends.skypilot_sdk import SdkError
-from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile import ControllerConfig
 from controlplane.records import ReplicaRecord
 from controlplane.spec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store
 from tests.support.builders import PROBE, RUN, ready_view
-from tests.support.controllers import Controllers
+from tests.support.fakes import StartController, controller_config, controller_starter
 from tests.support.poll import must_finish, until
 from tests.support.processes import REPO
 from tests.support.skypilot_fake import FakeSkyPilot
@@ -313,41 +312,23 @@ async def test_tail_logs_streams_the_cluster_log(
 # -- end to end: the real controller, a real redis-server, the fake SkyPilot --------------------
 
 
-StartController = Callable[..., Awaitable[Controller]]
-
-
 @pytest.fixture
 def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
-    return ControllerConfig(
-        redis_url=redis_url,
-        prefix=redis_prefix,
-        state_dir=tmp_path / "state",
-        drain_seconds=0.5,
-        lease_ttl=1.0,
-        reconcile_interval=0.5,
-        term_timeout=3.0,
-        backend="skypilot",
-    )
+    return controller_config(redis_url, redis_prefix, tmp_path, drain_seconds=0.5,
+                             reconcile_interval=0.5, terminate_on_exit=False,
+                             backend="skypilot")  # fmt: skip
 
 
 @pytest.fixture
 async def start_controller(
     store: Store, config: ControllerConfig, fake: FakeSkyPilot
 ) -> AsyncIterator[StartController]:
-    controllers = Controllers()
+    def backends(cfg: ControllerConfig) -> dict[str, Any]:
+        return {"local": LocalBackend(cfg.state_dir), "external": ExternalBackend(),
+                "skypilot": SkyPilotBackend(FAST, sdk=fake)}  # fmt: skip
 
-    async def start(**overrides: Any) -> Controller:
-        cfg = dataclasses.replace(config, **overrides)
-        backends = {
-            "local": LocalBackend(cfg.state_dir),
-            "external": ExternalBackend(),
-            "skypilot": SkyPilotBackend(FAST, sdk=fake),
-        }
-        return await controllers.start(store, cfg, backends=backends)
-
-    start.stop = controllers.stop  # type: ignore[attr-defined]
-    yield start
-    await controllers.aclose()
+    async with controller_starter(store, config, backends) as start:
+        yield start
 
 
 async def ready(store: Store, name: str, n: int, version: int | None = None) -> ops.ServiceView:

@@ -149,6 +149,9 @@ class FakePool:
     def close(self) -> None:
         pass
 
+    async def wait_closed(self) -> None:
+        pass
+
     @property
     def size(self) -> int:
         return len(self.idle)

@@ -139,6 +139,27 @@ async def test_hop_by_hop_request_headers_are_stripped(fleet: Fleet) -> None:
     assert header_values(echo, "X-End-To-End") == ["kept"]
 
 
+async def test_every_connection_header_names_hop_headers_but_never_framing(
+    fleet: Fleet,
+) -> None:
+    """Two `Connection:` lines: the names of both are removed; one naming Content-Length
+    does not unframe the body."""
+    resp = await rawhttp.fetch(fleet.proxy.port, get(
+        "/echo",
+        "Connection: X-Hop-A",
+        "X-Hop-A: a",
+        "Connection: x-hop-b , content-length",
+        "X-Hop-B: b",
+        "X-End-To-End: kept",
+        method="POST", body=b"abc",
+    ))
+    echo = echoed(resp)
+    names = {k.lower() for k, _ in echo["headers"]}
+    assert names & {"x-hop-a", "x-hop-b", "connection"} == set()
+    assert header_values(echo, "X-End-To-End") == ["kept"]
+    assert echo["body_length"] == 3
+
+
 async def test_forwarded_headers_added_and_host_is_the_replicas(fleet: Fleet) -> None:
     resp = await rawhttp.fetch(fleet.proxy.port, get(
         "/echo", "X-Forwarded-For: 203.0.113.7", "X-Forwarded-Proto: https",
@@ -232,10 +253,14 @@ async def test_upstream_connections_are_pooled_and_reused(
 
 
 async def test_hop_by_hop_response_headers_are_stripped(proxy_factory: ProxyFactory) -> None:
+    """Including every header each of two `Connection:` lines names, but never the
+    framing (a Connection naming Content-Length does not unframe the body)."""
     reply = (b"HTTP/1.1 200 OK\r\n"
              b"Content-Length: 2\r\n"
              b"Connection: X-Upstream-Hop\r\n"
              b"X-Upstream-Hop: secret\r\n"
+             b"Connection: x-hop-b, Content-Length\r\n"
+             b"X-Hop-B: b\r\n"
              b"Keep-Alive: timeout=5, max=100\r\n"
              b"Proxy-Authenticate: Basic realm=\"r\"\r\n"
              b"Trailer: X-Checksum\r\n"
@@ -247,8 +272,9 @@ async def test_hop_by_hop_response_headers_are_stripped(proxy_factory: ProxyFact
         async with rawhttp.connect(proxy.port) as conn:
             resp = await conn.request(get("/hop"))
             assert (resp.status, resp.body) == (200, b"ok")
-            assert resp.names & {"x-upstream-hop", "keep-alive", "proxy-authenticate",
-                                 "trailer", "upgrade"} == set()
+            assert resp.names & {"x-upstream-hop", "x-hop-b", "keep-alive",
+                                 "proxy-authenticate", "trailer", "upgrade"} == set()
+            assert resp.header("Content-Length") == "2"
             assert all("hop" not in v.lower() for v in resp.all("Connection"))
             assert resp.all("X-End-To-End") == ["kept"]
             again = await conn.request(get("/hop"))  # the client connection survived

@@ -14,7 +14,6 @@ import aiohttp
 import pytest
 
 from controlplane.records import ServiceRecord
-from controlplane.redissentinel import SentinelGroup
 from controlplane.states import ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.config import ProxyConfig
@@ -26,6 +25,7 @@ from tests.support.builders import replica
 from tests.support.harness import get_json
 from tests.support.poll import retrying, until
 from tests.support.processes import ProxyFactory, ReplicaFactory
+from tests.support.sentinel import SentinelGroup
 
 pytestmark = pytest.mark.slow
 

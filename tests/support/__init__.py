@@ -27,12 +27,17 @@ Builders and drivers:
 - `rawhttp`: byte-exact HTTP/1.1 client connections.
 - `traffic`: open-loop HTTP load with every request timed.
 - `faultproxy`: a TCP proxy in front of Redis that drops chosen commands.
+- `sentinel`: `SentinelGroup`, a private Redis Sentinel deployment (primary, replicas,
+  sentinels) with kill/failover; also used by bench/ and loadtests/.
 - `browser`: a headless Chromium driven over the DevTools protocol (pages, JS,
   console errors, screenshots); skips when no chromium is installed.
 
 Named fakes, for what cannot run here:
 - `skyserve_stub`: a stub Sky Serve controller (the load-balancer sync protocol).
 - `skypilot_fake`: a fake SkyPilot SDK whose "clusters" are local processes.
+- `fakes`: `FakeBackend` and `FakeProber` for controllers driven by `step()` on a fake
+  clock; also `controller_config()` and `controller_starter()`, the config and starter
+  the end-to-end controller tests share.
 
 Programs tests start as processes (``python -m tests.support.<name>``):
 - `replica_app`: the replica every test runs; `slow_health_replica`: one whose /health

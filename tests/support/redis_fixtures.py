@@ -25,9 +25,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from controlplane.redissentinel import SentinelGroup
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, find_redis_server
 from controlplane.store import Store
+from tests.support.sentinel import SentinelGroup
 
 _counter = itertools.count(1)
 

