@@ -9,7 +9,7 @@ Lose nothing: every stream answers 200 with all its tokens, its finish_reason an
 Drain: the controller's default bound (120 s), drain until idle (docs/drain.md): a
 retired replica runs until no proxy has a request in flight on it, then stops. The
 short streams are 24 tokens (well under a second); the long-stream test streams
-``LONG_TOKENS`` tokens on each old engine (10-20 s on one thread, longer than the
+``LONG_TOKENS`` tokens on each old engine (10-30 s on one thread, longer than the
 fixed 5 s drain ``sluice run`` had before) across a rolling update, and proves from
 the service's events that each old engine stopped because it was idle, after its
 stream ended.
@@ -42,7 +42,7 @@ from tests.support.poll import until
 from tests.support.processes import HOST, REPO, ProxyFactory, http_get
 
 TOKENS = 24
-LONG_TOKENS = 3000  # a stream of 10-20 s on one thread (attention grows with the context)
+LONG_TOKENS = 3500  # a stream of 10-30 s on one thread (attention grows with the context)
 OLD_DRAIN = 5.0  # the fixed drain `sluice run` had before drain-until-idle
 
 
@@ -249,18 +249,17 @@ async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_
     old_urls = {str(table[i].url): i for i in (1, 2)}
     v2 = tmp_path / "llm-v2.yaml"
     v2.write_text(yaml.safe_dump(service(model, 2, generation="2", **LONG)))
-    # least_load: the second long stream goes to the other engine once the first is in
-    # flight on one (its slot processing); the short streams start after both.
-    servers = [int(u.rsplit(":", 1)[1]) for u in old_urls]
+    # The update first, then the long streams at once, while the new engines load (they
+    # cannot be READY yet: launch, model load, a probe): so each old engine leaves
+    # service early in its stream. least_load sends the second to the other old engine
+    # (the first is in flight on one); the short streams start after both.
+    await sluice_update(redis_url, redis_prefix, v2)
     first = asyncio.create_task(long_stream(url, "long-0"))
-    await until(lambda: sum(_processing(p) for p in servers) >= 1, timeout=30,
-                what="the first long stream to start")  # fmt: skip
     second = asyncio.create_task(long_stream(url, "long-1"))
+    servers = [int(u.rsplit(":", 1)[1]) for u in old_urls]
     await until(lambda: all(_processing(p) for p in servers), timeout=30,
-                what="a long stream on each engine")  # fmt: skip
+                what="a long stream on each old engine")  # fmt: skip
     async with Streams(url, clients=2) as streams:
-        await streams.more(2)
-        await sluice_update(redis_url, redis_prefix, v2)
         await ready_view(store, "llm", 2, version=2, timeout=240)  # the old ones gone
         (a, a_end), (b, b_end) = await asyncio.gather(first, second)
         await streams.more(2)  # the new engines serve
