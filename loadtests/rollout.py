@@ -12,7 +12,9 @@ Per scenario, on 127.0.0.1 only, in a fresh temporary state dir, it starts:
 4. the service `llm` (`ops.up`): local replicas running `loadtests/replica.py`,
    an SSE chat-completions server whose readiness path answers 503 for
    `--load-seconds` and takes `--health-delay` seconds per answer, like a busy
-   model server;
+   model server; or, with `--engine llama`, real llama-server engines (tests/support/llama.py: one
+   CPU thread each, the random-weight test model, `--slots` slots; long streams of
+   `--stream-tokens` tokens; who served what from the proxy's access log);
 
 waits until its replicas are READY and the proxy routes to them, then drives
 `--rate` requests/s with locust headless (`loadtests/locustfile.py`, a
