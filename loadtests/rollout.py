@@ -12,7 +12,9 @@ Per scenario, on 127.0.0.1 only, in a fresh temporary state dir, it starts:
 4. the service `llm` (`ops.up`): local replicas running `loadtests/replica.py`,
    an SSE chat-completions server whose readiness path answers 503 for
    `--load-seconds` and takes `--health-delay` seconds per answer, like a busy
-   model server;
+   model server; or, with `--engine llama`, real llama-server engines (tests/support/llama.py: one
+   CPU thread each, the random-weight test model, `--slots` slots; long streams of
+   `--stream-tokens` tokens; who served what from the proxy's access log);
 
 waits until its replicas are READY and the proxy routes to them, then drives
 `--rate` requests/s with locust headless (`loadtests/locustfile.py`, a
@@ -104,6 +106,9 @@ class Options:
     stream_rate: float = 0.5  # then new long streams per second
     stream_seconds: float = 20.0  # each long stream's length
     lease_ttl: float = 3.0
+    engine: str = "python"  # the replicas: "python" (loadtests/replica.py) or "llama"
+    stream_tokens: int = 0  # max_tokens of a long stream (0: stream_seconds / token_delay)
+    slots: int = 8  # llama-server -np (a slot per concurrent request; more wait in its queue)
     settle_timeout: float = 60.0
     keep: bool = False
     state_root: Path | None = None
@@ -195,9 +200,46 @@ class Processes:
 # -- the service -------------------------------------------------------------------------------
 
 
+def stream_tokens(options: Options) -> int:
+    """max_tokens of one long stream."""
+    if options.stream_tokens > 0:
+        return options.stream_tokens
+    return max(1, min(4096, round(options.stream_seconds / max(options.token_delay, 1e-3))))
+
+
+def llama_spec(options: Options, replicas: int, *, revision: int = 1) -> ServiceSpec:
+    """The service with real llama.cpp replicas (tests/support/llama.py): llama-server on
+    $PORT, one CPU thread, the random-weight test model, `slots` slots, each with room
+    for a long stream; its /health answers 503 while the model loads."""
+    from tests.support import llama
+
+    ctx = options.slots * (stream_tokens(options) + max(options.max_tokens, 256) + 256)
+    run = llama.run_command(llama.model_path(), slots=options.slots, threads=1, ctx=ctx)
+    return parse_spec(
+        {
+            "name": SERVICE,
+            "service": {
+                "readiness_probe": {
+                    "path": "/health",
+                    "initial_delay_seconds": 60,
+                    "timeout_seconds": 5,
+                    "endpoint_probe_interval_seconds": 1,
+                },
+                "replicas": replicas,
+                **({"sluice": {"resume_streams": True}} if options.resume_streams else {}),
+            },
+            "envs": {**llama.launch_env(), "REPLICA_VERSION": str(revision)},
+            "workdir": str(REPO),
+            "run": run,
+        }
+    )
+
+
 def service_spec(options: Options, replicas: int, *, revision: int = 1) -> ServiceSpec:
     """The load test's service. A new `revision` changes an env: a spec change (new
     replicas); a new `replicas` alone is a count-only change (a relabel)."""
+    if options.engine == "llama":
+        return llama_spec(options, replicas, revision=revision)
     return parse_spec(
         {
             "name": SERVICE,
@@ -249,6 +291,9 @@ class Stack:
         self.report_path = state_dir / "locust-report.json"
         self.streams: LongStreams | None = None
         self.stream_report: dict[str, Any] = {}
+        self.urls: dict[str, int] = {}  # replica URL -> id, as last seen
+        # Real engines send no X-Replica-Id: who served what comes from the access log.
+        self.access_log = state_dir / "access.log" if options.engine == "llama" else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -264,7 +309,8 @@ class Stack:
             [sys.executable, "-m", "proxy.cli", "--redis", self.redis.url,
              "--service", SERVICE, "--host", "127.0.0.1", "--port", str(self.port),
              "--admin-port", str(self.admin_port), "--shutdown-grace", "5",
-             "--log-level", "info"],
+             "--log-level", "info",
+             *(["--access-log", str(self.access_log)] if self.access_log else [])],
             self.state_dir / "proxy.log",
         )  # fmt: skip
         await self._until(self._proxy_up, 30, "the proxy to listen")
@@ -349,7 +395,7 @@ class Stack:
         if o.long_streams or o.stream_rate > 0:
             self.streams = LongStreams(self.endpoint, count=o.long_streams,
                                        rate=o.stream_rate, seconds=o.stream_seconds,
-                                       token_delay=o.token_delay,
+                                       tokens=stream_tokens(o),
                                        started_at=self.load_started)  # fmt: skip
             await self.streams.start()
 
@@ -409,7 +455,8 @@ class Stack:
                 and (version is None or all(r.version == version for r in v.replicas))
                 and all(r.id != without for r in v.replicas)
             ),
-            timeout=self.options.settle_timeout,
+            # A retired replica drains its long streams first (they may run slow).
+            timeout=self.options.settle_timeout + 2 * self.options.stream_seconds,
             interval=0.1,
         )
         await self.note_replicas()
@@ -427,6 +474,21 @@ class Stack:
                 pid = record.handle.get("pid")
                 if isinstance(pid, int):
                     self.pids[replica_id] = pid
+            if record.url:
+                self.urls[str(record.url)] = replica_id
+
+    def served_by_replica(self) -> dict[str, int] | None:
+        """Requests per replica id from the proxy's access log (its upstream field), or
+        None without one (the replicas' own X-Replica-Id header counts then)."""
+        if self.access_log is None:
+            return None
+        counts: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            for line in self.access_log.read_text(errors="replace").splitlines():
+                fields = line.rsplit(" ", 2)
+                if len(fields) == 3 and (rid := self.urls.get(fields[1])) is not None:
+                    counts[str(rid)] = counts.get(str(rid), 0) + 1
+        return counts
 
     def kill_controller(self) -> None:
         assert self.controller is not None
@@ -772,6 +834,9 @@ async def run_scenario(
         result.terminated = sum(1 for kind, _, _ in events if kind == "terminate")
         await stack.note_replicas()
         result.proxy = await stack.proxy_metrics()
+        await asyncio.sleep(0.3)  # the access log is written every 100 ms
+        if (served := stack.served_by_replica()) is not None:
+            result.report["by_replica"] = served
         result.reasons = _check(result, initial, stack.pids, events)
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -779,6 +844,7 @@ async def run_scenario(
         if stack.locust is not None:
             with contextlib.suppress(Exception):
                 result.report = await stack.stop_load() or {}
+            result.streams = stack.stream_report
     finally:
         result.timeline = stack.timeline
         result.convergence = getattr(stack, "convergence_report", {})
@@ -964,6 +1030,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
                    help="then new long streams per second")
     p.add_argument("--stream-seconds", type=float, default=d.stream_seconds,
                    help="each long stream's length, s")
+    p.add_argument("--stream-tokens", type=int, default=d.stream_tokens,
+                   help="max_tokens of a long stream (default: --stream-seconds over the "
+                        "Python replica's token delay; set it for --engine llama)")
+    p.add_argument("--engine", choices=["python", "llama"], default=d.engine,
+                   help="the replicas: loadtests/replica.py, or real llama-server engines "
+                        "(1 thread each, the random-weight test model; tests/support/llama.py)")
+    p.add_argument("--slots", type=int, default=d.slots, help="llama-server slots (-np)")
     p.add_argument("--state-dir", type=Path, help="where logs go (default: a temporary dir)")
     p.add_argument("--keep", action="store_true", help="keep the state dir even on success")
     p.add_argument("--resume-streams", action="store_true",
@@ -978,8 +1051,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], Options, Path 
         drain_seconds=a.drain_seconds, keep=a.keep, state_root=a.state_dir,
         resume_streams=a.resume_streams,
         long_streams=a.long_streams, stream_rate=a.stream_rate,
-        stream_seconds=a.stream_seconds,
+        stream_seconds=a.stream_seconds, stream_tokens=a.stream_tokens, engine=a.engine,
+        slots=a.slots,
     )  # fmt: skip
+    if options.engine == "llama":
+        from tests.support import llama
+
+        if reason := llama.unavailable():
+            p.error(f"--engine llama: {reason}")
     names = list(SCENARIOS) if a.scenario == "all" else [a.scenario]
     return names, options, a.json
 

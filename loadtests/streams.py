@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class StreamStats:
     by_replica: Counter[str] = field(default_factory=Counter)
     cuts: list[dict[str, Any]] = field(default_factory=list)  # the first few, for the table
     longest: float = 0.0
+    durations: list[float] = field(default_factory=list)  # of the completed streams
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,8 @@ class StreamStats:
             "unfinished": self.started - sum(self.outcomes.values()),
             "by_replica": dict(self.by_replica),
             "longest_seconds": round(self.longest, 2),
+            "median_seconds": round(statistics.median(self.durations), 2)
+            if self.durations else None,
             "cuts": self.cuts[:20],
         }
 
@@ -50,14 +54,15 @@ class StreamStats:
 class LongStreams:
     """Long streams against `endpoint` (see the module docstring): `count` at the start
     (a quarter second apart), then `rate` new ones per second (open loop), each of
-    `seconds`. `start()`, then `stop()` (waits for the ones in flight)."""
+    `seconds` (`tokens` tokens: their length on the replicas). `start()`, then `stop()`
+    (waits for the ones in flight)."""
 
     def __init__(self, endpoint: str, *, count: int, rate: float, seconds: float,
-                 token_delay: float, started_at: float) -> None:  # fmt: skip
+                 tokens: int, started_at: float) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.count = count
         self.rate = rate
-        self.tokens = max(1, min(4096, round(seconds / max(token_delay, 1e-3))))
+        self.tokens = tokens
         self.seconds = seconds
         self.stats = StreamStats()
         self._started_at = started_at
@@ -74,13 +79,13 @@ class LongStreams:
         self._arrivals = asyncio.create_task(self._arrive())
 
     async def stop(self) -> dict[str, Any]:
-        """Start no new stream; wait for those in flight (at most one stream's length
-        plus a margin), then close."""
+        """Start no new stream; wait for those in flight (at most twice a stream's
+        length plus a margin: a real engine under load runs slower), then close."""
         self._stopping.set()
         if self._arrivals is not None:
             await self._arrivals
         if self._streams:
-            _done, pending = await asyncio.wait(self._streams, timeout=self.seconds + 30)
+            _done, pending = await asyncio.wait(self._streams, timeout=2 * self.seconds + 30)
             for task in pending:
                 task.cancel()
             for task in pending:
@@ -144,6 +149,8 @@ class LongStreams:
         seconds = time.time() - sent
         stats.longest = max(stats.longest, seconds)
         stats.outcomes[outcome] += 1
+        if outcome == "completed":
+            stats.durations.append(seconds)
         stats.by_replica[replica] += 1
         if outcome != "completed" and len(stats.cuts) < 20:
             stats.cuts.append({"at": round(sent - self._started_at, 2), "outcome": outcome,
@@ -155,5 +162,5 @@ def describe(row: dict[str, Any]) -> str:
     """One line for the scenario table."""
     return (f"{row['completed']} completed, {row['cut']} cut, {row['failed']} failed, "
             f"{row['unfinished']} unfinished of {row['started']} "
-            f"(longest {row['longest_seconds']} s)")
+            f"(median {row.get('median_seconds')} s, longest {row['longest_seconds']} s)")
 

@@ -134,6 +134,7 @@ class ResumableExchange(Exchange):
             super().on_response_body(data)
             return
         self.progress += 1
+        self.resp_bytes += len(data)  # the replica's bytes (access log, a cut's log line)
         if self.partial:
             data = self.partial + data
             self.partial = b""

@@ -11,7 +11,8 @@ replica we wrote.
   generating: its own token counter stays far below the stream's max_tokens);
 - the ``openai`` client streams through sluice;
 - the update tests (a count-only ``sluice update`` and a rolling one under real
-  streams) are in test_updates.py.
+  streams, and a rolling update under long streams that drain until idle) are in
+  test_updates.py; stream resume through a 2-worker proxy in test_resume_workers.py.
 
 Every test skips with one line where the engine cannot run (tests/support/llama.py).
 """

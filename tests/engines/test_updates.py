@@ -6,11 +6,13 @@ chat completions back to back the whole time, and the real CLI updates the servi
 Lose nothing: every stream answers 200 with all its tokens, its finish_reason and
 ``[DONE]``.
 
-Drain: today a replica leaving service runs for a fixed ``drain_seconds`` after it left
-the ready set (the controller's drain is being reworked to wait for in-flight requests).
-These tests set it to 5 s and keep each stream to 24 tokens (well under a second on
-this machine, a few seconds when it is loaded), so a stream that started on a retired
-replica ends inside the window.
+Drain: the controller's default bound (120 s), drain until idle (docs/drain.md): a
+retired replica runs until no proxy has a request in flight on it, then stops. The
+short streams are 24 tokens (well under a second); the long-stream test streams
+``LONG_TOKENS`` tokens on each old engine (10-30 s on one thread, longer than the
+fixed 5 s drain ``sluice run`` had before) across a rolling update, and proves from
+the service's events that each old engine stopped because it was idle, after its
+stream ended.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,10 +42,13 @@ from tests.support.poll import until
 from tests.support.processes import HOST, REPO, ProxyFactory, http_get
 
 TOKENS = 24
-DRAIN_SECONDS = 5.0
+LONG_TOKENS = 3500  # a stream of 10-30 s on one thread (attention grows with the context)
+OLD_DRAIN = 5.0  # the fixed drain `sluice run` had before drain-until-idle
 
 
-def service(model: Path, replicas: int, generation: str = "1") -> dict[str, Any]:
+def service(
+    model: Path, replicas: int, generation: str = "1", *, slots: int = 2, ctx: int = 2048
+) -> dict[str, Any]:
     """The service YAML (as a dict): `replicas` llama-servers; a new `generation` is a
     spec change (a rolling update), a new count alone is count-only."""
     probe = {"path": "/health", "initial_delay_seconds": 60, "timeout_seconds": 5,
@@ -52,7 +58,7 @@ def service(model: Path, replicas: int, generation: str = "1") -> dict[str, Any]
         "service": {"readiness_probe": probe, "replicas": replicas},
         "envs": {**llama.launch_env(), "GENERATION": generation},
         "workdir": str(REPO),
-        "run": llama.run_command(model, slots=2, ctx=2048),
+        "run": llama.run_command(model, slots=slots, ctx=ctx),
     }
 
 
@@ -118,13 +124,22 @@ async def sluice_update(redis_url: str, prefix: str, spec_file: Path) -> str:
     return out.decode()
 
 
+LONG = {"slots": 3, "ctx": 3 * (LONG_TOKENS + 300)}  # room for a long stream and 2 short
+
+
+@pytest.fixture
+def engine_flags() -> dict[str, int]:
+    """llama-server flags of the service (a test overrides it for long streams)."""
+    return {}
+
+
 @pytest.fixture
 async def llm(
     store: Store, redis_url: str, redis_prefix: str, tmp_path: Path,
-    proxy_factory: ProxyFactory,
+    proxy_factory: ProxyFactory, engine_flags: dict[str, int],
 ) -> AsyncIterator[tuple[Path, str, dict[int, int]]]:  # fmt: skip
-    """Service `llm` with 2 READY llama-server replicas, and a proxy following it:
-    (the model, the proxy's URL, replica id -> pid)."""
+    """Service `llm` with 2 READY llama-server replicas, and a proxy following it
+    (access log in tmp_path/access.log): (the model, the proxy's URL, replica id -> pid)."""
     reason = llama.unavailable()
     if reason:
         pytest.skip(reason)
@@ -132,18 +147,19 @@ async def llm(
     controllers = Controllers()
     config = ControllerConfig(
         redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state",
-        drain_seconds=DRAIN_SECONDS, reconcile_interval=2.0, term_timeout=5.0,
+        reconcile_interval=2.0, term_timeout=5.0,
         terminate_on_exit=True,
     )  # fmt: skip
     try:
         await controllers.start(store, config)
         spec_file = tmp_path / "llm.yaml"
-        spec_file.write_text(yaml.safe_dump(service(model, 2)))
+        spec_file.write_text(yaml.safe_dump(service(model, 2, **engine_flags)))
         await ops.up(store, "llm", load_spec(spec_file))
         view = await ready_view(store, "llm", 2, timeout=60)
         pids = {r.id: r.handle["pid"] for r in (await store.replicas("llm")).values()}
         assert sorted(pids) == [r.id for r in view.replicas] == [1, 2]
-        url = await proxy_for(proxy_factory, redis_url, redis_prefix, "llm")
+        url = await proxy_for(proxy_factory, redis_url, redis_prefix, "llm",
+                              "--access-log", str(tmp_path / "access.log"))  # fmt: skip
         yield model, url, pids
     finally:
         await controllers.aclose()
@@ -196,3 +212,88 @@ async def test_a_rolling_update_under_real_streams_loses_nothing(
 
     assert streams.lost() == [], streams.lost()[:3]
     assert not any(running(pid) for pid in old_pids.values())
+
+
+async def long_stream(url: str, name: str) -> tuple[Stream, float]:
+    """One stream of LONG_TOKENS through `url`, its User-Agent `name` (so the proxy's
+    access log says which replica served it); (the stream, when it ended)."""
+    headers = {"User-Agent": name}
+    async with aiohttp.ClientSession(headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as http:
+        out = await stream_chat(http, url, chat_body(f"{name}: a long answer",
+                                                     max_tokens=LONG_TOKENS))  # fmt: skip
+    return out, time.time()
+
+
+def upstreams(access_log: Path) -> dict[str, str]:
+    """User-Agent -> the replica URL that served it, from the proxy's access log
+    (docs/drain.md: the line ends with `$request_time $upstream $cut`)."""
+    out = {}
+    for line in access_log.read_text().splitlines():
+        agent = line.rsplit('"', 2)[-2]
+        out[agent] = line.rsplit(" ", 2)[1]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_flags", [LONG])
+async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_engine(
+    llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The default drain bound: a long stream on each old engine outlives the old
+    fixed 5 s drain; none is cut, and each old engine stops because it went idle
+    (a `drain` event with reason idle, not max_drain), after its stream ended."""
+    model, url, old_pids = llm
+    table = await store.replicas("llm")
+    old_urls = {str(table[i].url): i for i in (1, 2)}
+    v2 = tmp_path / "llm-v2.yaml"
+    v2.write_text(yaml.safe_dump(service(model, 2, generation="2", **LONG)))
+    # The update first, then the long streams at once, while the new engines load (they
+    # cannot be READY yet: launch, model load, a probe): so each old engine leaves
+    # service early in its stream. least_load sends the second to the other old engine
+    # (the first is in flight on one); the short streams start after both.
+    await sluice_update(redis_url, redis_prefix, v2)
+    first = asyncio.create_task(long_stream(url, "long-0"))
+    second = asyncio.create_task(long_stream(url, "long-1"))
+    servers = [int(u.rsplit(":", 1)[1]) for u in old_urls]
+    await until(lambda: all(_processing(p) for p in servers), timeout=30,
+                what="a long stream on each old engine")  # fmt: skip
+    async with Streams(url, clients=2) as streams:
+        await ready_view(store, "llm", 2, version=2, timeout=240)  # the old ones gone
+        (a, a_end), (b, b_end) = await asyncio.gather(first, second)
+        await streams.more(2)  # the new engines serve
+
+    assert a.complete(LONG_TOKENS), a
+    assert b.complete(LONG_TOKENS), b
+    assert streams.lost() == [], streams.lost()[:3]
+    assert not any(running(pid) for pid in old_pids.values())
+    await until(lambda: {"long-0", "long-1"} <= set(upstreams(tmp_path / "access.log")),
+                timeout=5, what="the access log lines of the long streams")  # fmt: skip
+    served = upstreams(tmp_path / "access.log")
+    ended = {old_urls[served["long-0"]]: a_end, old_urls[served["long-1"]]: b_end}
+    assert sorted(ended) == [1, 2], served  # one long stream on each old engine
+
+    events = [e for e in await store.events("llm", 1000) if e.fields.get("replica") in
+              ("1", "2")]  # fmt: skip
+    for replica, stream_end in ended.items():
+        mine = [e for e in events if e.fields["replica"] == str(replica)]
+        kinds = [(e.kind, e.fields.get("reason")) for e in mine if e.kind in
+                 ("drain", "terminate")]  # fmt: skip
+        # Retired (the rolling update), drained until idle, then stopped: never at the bound.
+        assert [k for k, _ in kinds] == ["drain", "drain", "terminate"], kinds
+        assert kinds[1][1] == "idle", kinds
+        retired, idle, stopped = (e for e in mine if e.kind in ("drain", "terminate"))
+        # The stream was in flight when its engine left service, outlived the old fixed
+        # drain (so this run would have cut it before), and ended before the engine
+        # was judged idle and stopped.
+        assert retired.at + OLD_DRAIN < stream_end, (retired, stream_end)
+        assert stream_end <= idle.at <= stopped.at, (stream_end, idle, stopped)
+
+
+def _processing(port: int) -> int:
+    """Slots of the llama-server on `port` that are generating."""
+    import json
+
+    status, body = http_get(HOST, port, "/slots")
+    return sum(1 for s in json.loads(body) if s.get("is_processing")) if status == 200 else 0

@@ -146,6 +146,24 @@ async def test_a_completions_stream_survives_its_replica(fakes: list[FakeVllm],
     assert len({p["id"] for p in parsed}) == 1
 
 
+async def test_a_resumable_stream_has_its_bytes_in_the_access_log(
+        fakes: list[FakeVllm], proxy_factory: ProxyFactory, tmp_path: Path) -> None:
+    """A stream the proxy watches for resume (its own relay path) counts the replica's
+    body bytes like any response: the access log's $bytes is not 0."""
+    log = tmp_path / "access.log"
+    proxy = await proxy_factory.astart("--resume-streams", "--access-log", str(log),
+                                       replicas=[f.url for f in fakes])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count me"}],
+            "max_tokens": TOKENS, "stream": True}
+    async with httpx2.AsyncClient(timeout=30) as http:
+        resp = await http.post(f"{proxy.url}/v1/chat/completions", json=body)
+    assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
+    line = await until(lambda: log.exists() and log.read_text(), timeout=5,
+                       what="the access log line")
+    status, sent = line.split('" ', 1)[1].split()[:2]
+    assert (status, int(sent)) == ("200", len(resp.content)), line
+
+
 async def test_without_resume_the_stream_is_cut_as_before(fakes: list[FakeVllm],
                                                           proxy_factory: ProxyFactory) -> None:
     proxy = await proxy_factory.astart(replicas=[f.url for f in fakes])
