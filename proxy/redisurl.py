@@ -62,6 +62,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     scheme, sep, rest = url.partition("://")
     if scheme.lower() != SENTINEL_SCHEME or not sep:
         raise RedisURLError(f"not a {SENTINEL_SCHEME}:// URL: {redact(url)}")
+    _check_user_info(url)
     # urlsplit would choke on the comma-separated host list; split by hand.
     rest, _, query = rest.partition("?")
     rest, _, fragment = rest.partition("#")
@@ -123,6 +124,15 @@ def _host_port(item: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _check_user_info(url: str) -> None:
+    """Refuse a user-info part with `/`, `?` or `#`: a URL parser cuts it there and its
+    error would quote a piece of the password (base64 passwords have `/`)."""
+    auth = url.partition("://")[2].rpartition("@")[0]
+    if any(c in auth for c in "/?#"):
+        raise RedisURLError(f"Redis URL {redact(url)!r}: its user-info has a '/', '?' or "
+                            "'#': percent-encode them in the password (%2F, %3F, %23)")
+
+
 def validate(url: str) -> None:
     """Raise RedisURLError if `url` is not a Redis URL sluice can use (no I/O)."""
     scheme = url.partition("://")[0].lower() if "://" in url else ""
@@ -133,10 +143,15 @@ def validate(url: str) -> None:
         raise RedisURLError(
             f"Redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix:// or "
             f"{SENTINEL_SCHEME}://")
+    _check_user_info(url)
     try:
         aioredis.ConnectionPool.from_url(url)
     except ValueError as exc:
-        raise RedisURLError(f"Redis URL {redact(url)!r}: {exc}") from exc
+        message = str(exc)
+        for secret in _secrets(url):
+            message = message.replace(secret, "***")
+        # Not `from exc`: its message (in every traceback) may quote the password.
+        raise RedisURLError(f"Redis URL {redact(url)!r}: {message}") from None
 
 
 def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
@@ -196,16 +211,21 @@ class SentinelRedis(aioredis.Redis):
 
 
 def redact(url: str) -> str:
-    """The URL with every password replaced by ***."""
+    """The URL with every password replaced by ***.
+
+    The user-info ends at the *last* `@`: a password with an unencoded `/`, `?` or `#`
+    (base64 passwords have `/`) must not be mistaken for the path or the query. An `@`
+    in the query then hides a little more than needed, never less.
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    auth, at, rest = rest.rpartition("@")
     rest, qmark, query = rest.partition("?")
     authority, slash, path = rest.partition("/")
-    auth, at, host = authority.rpartition("@")
     if at:
         user = auth.partition(":")[0] if ":" in auth else ""
-        authority = f"{user}:***@{host}"
+        authority = f"{user}:***@{authority}"
     if qmark:
         try:
             items = parse_qs(query, keep_blank_values=True)
@@ -215,6 +235,16 @@ def redact(url: str) -> str:
             f"{key}={'***' if 'password' in key else quote(values[-1], safe='')}"
             for key, values in items.items())
     return f"{scheme}://{authority}{slash}{path}{qmark}{query}"
+
+
+def _secrets(url: str) -> list[str]:
+    """The password of `url`'s user-info as written and decoded (for scrubbing messages)."""
+    auth, at, _ = url.partition("://")[2].rpartition("@")
+    if not at:
+        return []
+    user, colon, password = auth.partition(":")
+    secret = password if colon else user
+    return [s for s in {secret, unquote(secret)} if s]
 
 
 def describe(url: str) -> str:
