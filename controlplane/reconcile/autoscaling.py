@@ -46,6 +46,9 @@ log = logging.getLogger("sluice.scaling")
 
 #: An in-flight entry older than this (proxy gone or stuck) is not counted.
 INFLIGHT_FRESH_SECONDS = 3.0
+#: Proxies' clocks ahead of the controller's by more than this: their in-flight
+#: entries are not counted, their request counts are trimmed.
+MAX_CLOCK_SKEW_SECONDS = 60
 #: Every service's rps hash is trimmed to the QPS window at least this often, whether
 #: or not it autoscales on QPS (proxies write one field per second regardless).
 RPS_TRIM_INTERVAL_SECONDS = 10.0
@@ -213,20 +216,24 @@ async def read_signals(
     """The signals `policy` scales on, as the proxies last reported them."""
     if policy.target_ongoing_requests is not None:
         entries = await store.read_inflight(name)
-        fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
+        # An entry from the future (beyond clock skew) would stay "fresh" forever.
+        fresh = [e.total for e in entries.values()
+                 if -MAX_CLOCK_SKEW_SECONDS <= now - e.at <= INFLIGHT_FRESH_SECONDS]  # fmt: skip
         return ScaleSignals(inflight=float(sum(fresh)))
     if policy.target_qps_per_replica is None:
         return ScaleSignals()
     # Part of the read, as it bounds it: seconds before the window are never read again.
     # (Only the proxies' counters are touched; the controller's state is not.)
-    await store.trim_rps(name, int(now) - qps_window - 1)
+    await store.trim_rps(name, int(now) - qps_window - 1, int(now) + MAX_CLOCK_SKEW_SECONDS)
     return ScaleSignals(rps=await store.read_rps(name))
 
 
 async def write_step(store: Store, name: str, step: ScaleStep, qps_window: int) -> None:
     """After the commit: record the decision, trim the rps hash to the QPS window."""
     if step.trim:
-        await store.trim_rps(name, int(step.now) - qps_window - 1)
+        await store.trim_rps(
+            name, int(step.now) - qps_window - 1, int(step.now) + MAX_CLOCK_SKEW_SECONDS
+        )
     if step.status is not None:
         await store.write_autoscaler(name, step.status)
 

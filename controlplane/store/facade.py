@@ -43,6 +43,7 @@ from controlplane.records import (
 from controlplane.store.codec import decode_replica, decode_replicas, decode_service_record, text
 from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
+from controlplane.store.untrusted import BOUNDED_READ, Rejects
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
@@ -83,6 +84,9 @@ class Store:
             client, self.keys, clock, max_attempts=max_commit_attempts, fence=fence
         )
         self._lease = LeaseScripts(client)
+        self._bounded_read = client.register_script(BOUNDED_READ)
+        #: What proxies wrote that was skipped, by (service, kind) (untrusted.py).
+        self.rejects = Rejects()
 
     @classmethod
     def from_url(
@@ -285,17 +289,24 @@ class Store:
         A field that is not an integer second with an integer count (written by hand,
         or by something that is not a sluice proxy) is skipped and logged.
         """
-        return await telemetry.read_rps(self._redis, self.keys, name)
+        return await telemetry.read_rps(
+            self._redis, self.keys, name, self._bounded_read, self.rejects
+        )
 
-    async def trim_rps(self, name: str, before: int) -> int:
-        """Delete request counts of seconds earlier than `before`, and fields that are not
-        an integer second (logged); returns how many were deleted."""
-        return await telemetry.trim_rps(self._redis, self.keys, name, before)
+    async def trim_rps(self, name: str, before: int, until: int | None = None) -> int:
+        """Delete request counts of seconds earlier than `before` (or later than `until`),
+        and fields that are not a unix second with a count (counted in `rejects`);
+        returns how many were deleted. A hash over its bounds is deleted whole."""
+        return await telemetry.trim_rps(
+            self._redis, self.keys, name, before, until, self._bounded_read, self.rejects
+        )
 
     async def read_inflight(self, name: str) -> dict[str, InflightEntry]:
         """Every proxy's in-flight counts (proxy id -> entry); stale ones included, the
         caller judges freshness by `at`. An entry that fails to decode is skipped."""
-        return await telemetry.read_inflight(self._redis, self.keys, name)
+        return await telemetry.read_inflight(
+            self._redis, self.keys, name, self._bounded_read, self.rejects
+        )
 
     async def read_proxies(
         self, name: str, *, stale_after: float = 30.0
@@ -308,7 +319,13 @@ class Store:
         entry that fails to decode is skipped.
         """
         return await telemetry.read_proxies(
-            self._redis, self.keys, name, now=self._clock(), stale_after=stale_after
+            self._redis,
+            self.keys,
+            name,
+            self._bounded_read,
+            self.rejects,
+            now=self._clock(),
+            stale_after=stale_after,
         )
 
     async def write_autoscaler(self, name: str, status: AutoscalerStatus) -> None:
@@ -361,7 +378,7 @@ class Store:
 
     async def subscribe_control(self) -> ControlSubscription:
         """Subscribe to the control channel (nudges); the caller closes the subscription."""
-        return await pubsub.subscribe_control(self._redis, self.keys)
+        return await pubsub.subscribe_control(self._redis, self.keys, self.rejects)
 
     async def nudge(self, name: str, reason: str = "changed") -> int:
         """Ask the controller to reconcile `name` now. Returns how many listeners got it."""
