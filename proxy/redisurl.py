@@ -8,12 +8,19 @@ Accepted forms:
     unix://[[user]:password@]/path/to/redis.sock[?db=N]
     redis+sentinel://[[user]:password@]host:port[,host:port...]/service-name[/db]
                      [?sentinel_password=...&sentinel_username=...]
+    rediss+sentinel://...                             the same, TLS to the sentinels and
+                                                      to the data nodes
 
 In the Sentinel form the hosts are the sentinels (at least one; list all of them),
 `service-name` is the name the sentinels monitor (`sentinel monitor NAME ...`) and
 `db` defaults to 0. The password in the user-info part is the one of the data nodes
 (the primary and its replicas, `requirepass`); sentinels are contacted without a
-password unless `sentinel_password` is given (their own `requirepass`). Every
+password unless `sentinel_password` is given (their own `requirepass`): the data
+password never goes to a sentinel. Whoever answers as a sentinel still picks the
+primary the data password is sent to, so sentinels are inside the trust boundary;
+`rediss+sentinel://` verifies the certificate of every sentinel and of the primary
+it names (against `--redis-ca-file` or the system's CAs), so neither can be
+impersonated on the network. Every
 client asks the sentinels for the current primary whenever it opens a connection,
 so after a failover a reconnect lands on the new primary; connections to a primary
 that was demoted are closed by the sentinels (CLIENT KILL) or fail with READONLY,
@@ -36,6 +43,8 @@ from redis.asyncio.sentinel import Sentinel
 from proxy.errors import ConfigError
 
 SENTINEL_SCHEME = "redis+sentinel"
+TLS_SENTINEL_SCHEME = "rediss+sentinel"
+_SENTINEL_SCHEMES = (SENTINEL_SCHEME, TLS_SENTINEL_SCHEME)
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _SENTINEL_QUERY = ("sentinel_password", "sentinel_username")
 
@@ -55,12 +64,13 @@ class SentinelURL:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    tls: bool = False  # rediss+sentinel://: TLS to the sentinels and the data nodes
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse a `redis+sentinel://` URL; RedisURLError names what is wrong."""
     scheme, sep, rest = url.partition("://")
-    if scheme.lower() != SENTINEL_SCHEME or not sep:
+    if scheme.lower() not in _SENTINEL_SCHEMES or not sep:
         raise RedisURLError(f"not a {SENTINEL_SCHEME}:// URL: {redact(url)}")
     _check_user_info(url)
     # urlsplit would choke on the comma-separated host list; split by hand.
@@ -110,6 +120,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         password=password,
         sentinel_username=options.get("sentinel_username") or None,
         sentinel_password=options.get("sentinel_password") or None,
+        tls=scheme.lower() == TLS_SENTINEL_SCHEME,
     )
 
 
@@ -136,13 +147,13 @@ def _check_user_info(url: str) -> None:
 def validate(url: str) -> None:
     """Raise RedisURLError if `url` is not a Redis URL sluice can use (no I/O)."""
     scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if scheme == SENTINEL_SCHEME:
+    if scheme in _SENTINEL_SCHEMES:
         parse_sentinel_url(url)
         return
     if scheme not in _PLAIN_SCHEMES:
         raise RedisURLError(
-            f"Redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix:// or "
-            f"{SENTINEL_SCHEME}://")
+            f"Redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix://, "
+            f"{SENTINEL_SCHEME}:// or {TLS_SENTINEL_SCHEME}://")
     _check_user_info(url)
     try:
         aioredis.ConnectionPool.from_url(url)
@@ -159,8 +170,9 @@ def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
     certificate; None: the system's). Raises ConfigError for a CA file without TLS."""
     if ca_file is None:
         return {}
-    if not url.startswith("rediss://"):
-        raise ConfigError("--redis-ca-file needs a rediss:// (TLS) Redis URL")
+    if not url.lower().startswith(("rediss://", f"{TLS_SENTINEL_SCHEME}://")):
+        raise ConfigError(f"--redis-ca-file needs a rediss:// or {TLS_SENTINEL_SCHEME}:// "
+                          "(TLS) Redis URL")
     if not os.path.isfile(ca_file):
         raise ConfigError(f"--redis-ca-file: no file {ca_file!r}")
     return {"ssl_ca_certs": ca_file}
@@ -169,15 +181,21 @@ def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
 def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     """A redis-py asyncio client for any accepted URL; no I/O yet.
 
-    `kwargs` go to every data-node connection (socket timeouts, `retry` ...); the
-    sentinels get the same socket timeouts. Closing the client (`aclose()`) also
-    closes its sentinel connections.
+    `kwargs` go to every data-node connection (socket timeouts, `retry`, `ssl_ca_certs`
+    ...); the sentinels get the same socket timeouts and TLS options, and never the
+    data nodes' credentials. Closing the client (`aclose()`) also closes its sentinel
+    connections.
     """
     validate(url)
-    if url.partition("://")[0].lower() != SENTINEL_SCHEME:
+    if url.partition("://")[0].lower() not in _SENTINEL_SCHEMES:
         return aioredis.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
-    sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    if target.tls:
+        # Certificates verified (redis-py's default CERT_REQUIRED, hostname checked).
+        kwargs = {**kwargs, "ssl": True}
+    sentinel_kwargs: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k.startswith(("socket_", "ssl"))
+    }
     if target.sentinel_password is not None:
         sentinel_kwargs["password"] = target.sentinel_password
     if target.sentinel_username is not None:
@@ -249,7 +267,7 @@ def _secrets(url: str) -> list[str]:
 
 def describe(url: str) -> str:
     """A short, password-free description of where the URL points (for logs)."""
-    if url.partition("://")[0].lower() == SENTINEL_SCHEME:
+    if url.partition("://")[0].lower() in _SENTINEL_SCHEMES:
         try:
             target = parse_sentinel_url(url)
         except RedisURLError:
