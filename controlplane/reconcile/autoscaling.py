@@ -18,7 +18,10 @@ One step of a service, in three parts so that planning does no I/O:
 3. `write_step` (after the commit): each decision is written to the store
    (`{prefix}:svc:{name}:autoscaler`, an `AutoscalerStatus`) for `sluice status`,
    and every `RPS_TRIM_INTERVAL_SECONDS` the service's rps hash is trimmed to the
-   QPS window, whether or not the service autoscales on QPS.
+   QPS window, whether or not the service autoscales on QPS. As often, first thing
+   in the service's step (before any read in MULTI or commit, which Redis refuses
+   at maxmemory), each hash proxies write that is over its bounds is deleted
+   (`trim_due`, `Store.enforce_bounds`).
 
 The decisions live in this process only: a controller that takes over starts from
 the number of replicas it finds running, not from zero.
@@ -144,6 +147,12 @@ class AutoscalerRegistry:
             qps_window=self.qps_window,
         )
         return _Service(autoscaler, (record.created_at, record.version), due=now)
+
+    def trim_due(self, name: str, now: float) -> bool:
+        """Whether this step trims the service's rps hash (and so polices the bounds of
+        every hash its proxies write; see the module docstring)."""
+        service = self._services.get(name)
+        return service is None or now >= service.trim_due
 
     def wants_signals(self, record: ServiceRecord, now: float) -> bool:
         """Whether `observe` may decide (or reset) in a step at `now`: then the signals

@@ -43,7 +43,13 @@ from controlplane.records import (
 from controlplane.store.codec import decode_replica, decode_replicas, decode_service_record, text
 from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
-from controlplane.store.untrusted import BOUNDED_READ, Rejects
+from controlplane.store.untrusted import (
+    BOUNDED_READ,
+    ENFORCE_BOUNDS,
+    MAX_FIELDS,
+    MAX_HASH_BYTES,
+    Rejects,
+)
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
@@ -85,6 +91,7 @@ class Store:
         )
         self._lease = LeaseScripts(client)
         self._bounded_read = client.register_script(BOUNDED_READ)
+        self._enforce_bounds = client.register_script(ENFORCE_BOUNDS)
         #: What proxies wrote that was skipped, by (service, kind) (untrusted.py).
         self.rejects = Rejects()
 
@@ -300,6 +307,19 @@ class Store:
         return await telemetry.trim_rps(
             self._redis, self.keys, name, before, until, self._bounded_read, self.rejects
         )
+
+    async def enforce_bounds(self, name: str) -> int:
+        """Delete whichever of the service's proxy-written hashes (rps, inflight,
+        proxies) is over its bounds (untrusted.py), unread; returns how many. The deletes
+        work under `noeviction` at maxmemory, so a Redis filled through a proxy's user
+        gets its memory back (counted in `rejects`)."""
+        keys = [self.keys.rps(name), self.keys.inflight(name), self.keys.proxies(name)]
+        with redis_errors():
+            deleted = int(await self._enforce_bounds(keys=keys, args=[MAX_FIELDS, MAX_HASH_BYTES]))
+        if deleted:
+            self.rejects.reject(name, "hash", f"{deleted} hash(es) over {MAX_FIELDS} fields "
+                                f"or {MAX_HASH_BYTES} bytes: deleted", deleted)  # fmt: skip
+        return deleted
 
     async def read_inflight(self, name: str) -> dict[str, InflightEntry]:
         """Every proxy's in-flight counts (proxy id -> entry); stale ones included, the

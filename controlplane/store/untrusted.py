@@ -39,12 +39,12 @@ log = logging.getLogger("sluice.store")
 #: ones hold one field per proxy process, or one per second of the QPS window).
 MAX_FIELDS = 4096
 #: ... or taking more than this many bytes of Redis memory (MEMORY USAGE).
-MAX_HASH_BYTES = 32 * 1024 * 1024
+MAX_HASH_BYTES = 8 * 1024 * 1024
 #: A field name longer than this is skipped (proxy ids are host:pid; seconds 10 digits).
 MAX_FIELD_BYTES = 256
 #: A value longer than this is skipped (an in-flight entry of 1,000 busy replicas is
 #: about 60 KiB).
-MAX_VALUE_BYTES = 1024 * 1024
+MAX_VALUE_BYTES = 256 * 1024
 #: A nudge longer than this is skipped.
 MAX_NUDGE_BYTES = 4096
 #: Seconds between two log lines about rejected values of one service and kind.
@@ -69,6 +69,26 @@ end
 local out = {n, 1}
 for _, item in ipairs(redis.call('HGETALL', KEYS[1])) do out[#out + 1] = item end
 return out
+"""
+
+# The same bounds without the read: run on every proxy-written hash of every service
+# every few seconds, whatever it autoscales on. KEYS: the hashes; ARGV as above.
+# Returns how many were deleted.
+ENFORCE_BOUNDS = """
+local deleted = 0
+for _, key in ipairs(KEYS) do
+  local n = redis.call('HLEN', key)
+  local over = n > tonumber(ARGV[1])
+  if n > 0 and not over then
+    local size = redis.call('MEMORY', 'USAGE', key, 'SAMPLES', '0')
+    over = size ~= false and size > tonumber(ARGV[2])
+  end
+  if over then
+    redis.call('UNLINK', key)
+    deleted = deleted + 1
+  end
+end
+return deleted
 """
 
 _INFLIGHT = msgspec.json.Decoder(InflightEntry)
