@@ -56,6 +56,8 @@ from controlplane.spec import ReplicaPolicy
 QPS_WINDOW_SECONDS = 60
 DECISION_INTERVAL_SECONDS = 20.0
 NO_REPLICA_DECISION_INTERVAL_SECONDS = 5.0
+#: A per-second request count above this is taken as this (see `qps`).
+MAX_SECOND_COUNT = 10**9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +74,10 @@ def qps(rps: Mapping[int, int], now: float, window: int = QPS_WINDOW_SECONDS) ->
     """Requests per second over the last `window` whole seconds before `now`."""
     end = int(now)
     start = end - window
-    return sum(n for sec, n in rps.items() if start <= sec < end) / window
+    # Counts come from Redis: a negative or absurd one (the store's decoder already
+    # skips them) must not make QPS negative or overflow a float.
+    total = sum(min(max(n, 0), MAX_SECOND_COUNT) for sec, n in rps.items() if start <= sec < end)
+    return total / window
 
 
 def instance_aware_target(
@@ -154,6 +159,15 @@ class Autoscaler:
         hi = p.max_replicas if p.max_replicas is not None else p.min_replicas
         return max(p.min_replicas, min(hi, n))
 
+    def _clip_ceil(self, x: float) -> int:
+        """`_clip(ceil(x))` for any float: NaN or below 0 is 0, huge or inf is the max
+        (the signal comes from what proxies wrote)."""
+        if not x > 0:
+            return self._clip(0)
+        p = self._policy
+        hi = p.max_replicas if p.max_replicas is not None else p.min_replicas
+        return self._clip(hi if x >= hi else math.ceil(x))
+
     def raw_target(
         self,
         *,
@@ -174,16 +188,19 @@ class Autoscaler:
             return self._clip(math.ceil(waiting / p.target_queue_length_per_replica)), waiting
         if p.target_ongoing_requests is not None:
             load = float(inflight or 0.0)
-            return self._clip(math.ceil(load / p.target_ongoing_requests)), load
+            return self._clip_ceil(load / p.target_ongoing_requests), load
         demand = qps(rps or {}, now, self._qps_window)
         match p.target_qps_per_replica:
             case dict():
                 fastest = fastest_qps or max(p.target_qps_per_replica.values())
+                if not demand < float(sum(replica_qps)) + fastest * (p.max_replicas or 0):
+                    # Beyond what max_replicas can serve (or not a number): the max.
+                    return self._clip_ceil(math.inf), demand
                 return self._clip(instance_aware_target(demand, replica_qps, fastest)), demand
             case None:
                 return self._clip(p.min_replicas), demand
             case per_replica:
-                return self._clip(math.ceil(demand / float(per_replica))), demand
+                return self._clip_ceil(demand / float(per_replica)), demand
 
     def decide(
         self,

@@ -3,6 +3,10 @@ listing, and the live view `sluice run` keeps on the terminal.
 
 Pure functions from `ops.ServiceView` / `ReadySnapshot` to strings; `LiveView`
 is the only stateful piece (what it printed last, to redraw or to diff).
+Everything shown came from Redis, and some of it from a proxy's Redis user (proxy ids):
+every cell and every line goes through `_safe`, so a terminal escape sequence is
+printed as `\x1b...` text, never executed (no retitled window, no cleared screen, no
+fake row).
 Times are wall-clock seconds (`time.time()`), passed in as `now`.
 """
 
@@ -13,10 +17,18 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from controlplane.ops import ReplicaView, ServiceView
+from controlplane.store.untrusted import printable
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import ReadySnapshot
 
 _NONE = "-"
+_CELL_LIMIT = 256  # characters of one table cell
+_LINE_LIMIT = 100_000
+
+
+def _safe(text: str) -> str:
+    """Every line of `text` with its control characters escaped."""
+    return "\n".join(printable(line, _LINE_LIMIT) for line in text.split("\n"))
 
 
 def duration(seconds: float) -> str:
@@ -41,6 +53,7 @@ def ago(at: float | None, now: float) -> str:
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns separated by two spaces, like Sky Serve's tables."""
+    rows = [[printable(cell, _CELL_LIMIT) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -188,7 +201,7 @@ def status_text(views: Sequence[ServiceView], now: float, *, verbose: bool = Fal
         parts.append("No replicas.")
     if any(v.proxies for v in views):
         parts += ["", "Proxies", proxies_table(views, now)]
-    return "\n".join(parts)
+    return _safe("\n".join(parts))
 
 
 def snapshot_text(snapshot: ReadySnapshot, now: float) -> str:
@@ -200,6 +213,7 @@ def snapshot_text(snapshot: ReadySnapshot, now: float) -> str:
         f"status {snapshot.status}  policy {snapshot.policy}  active versions {active}\n"
         f"published {published} ({ago(snapshot.published_at, now)})"
     )
+    head = _safe(head)
     if not snapshot.replicas:
         return f"{head}\nNo ready replicas."
     rows = [
@@ -258,7 +272,7 @@ class LiveView:
     def message(self, text: str) -> None:
         """A line that stays (above the live table on a TTY)."""
         self.clear()
-        print(text, file=self._out, flush=True)
+        print(_safe(text), file=self._out, flush=True)
 
     def clear(self) -> None:
         """Erase the live table (TTY only), e.g. before the shutdown messages."""
@@ -280,7 +294,7 @@ class LiveView:
             text += "\n" + table(headers, rows)
             text += "".join(f"\n{replica_change(r)}" for r in view.replicas
                             if r.status in _EXPLAINED)  # fmt: skip
-        lines = text.split("\n")
+        lines = _safe(text).split("\n")
         self.clear()
         self._out.write("\n".join(lines) + "\n")
         self._out.flush()
@@ -301,4 +315,4 @@ class LiveView:
             lines.append(f"{stamp} replica {gone}: removed")
         self._replicas = seen
         if lines:
-            print("\n".join(lines), file=self._out, flush=True)
+            print(_safe("\n".join(lines)), file=self._out, flush=True)

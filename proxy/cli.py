@@ -106,7 +106,7 @@ class _ProxyCommand(click.Command):
 @click.option("--replicas", help="Static ready set: comma-separated replica URLs "
               "(http://host:port). One of --replicas, --redis or --controller-addr.")
 @click.option("--redis", "redis_url", envvar="SLUICE_REDIS_URL", callback=check_redis_url,
-              help="Redis URL (redis://, rediss://, unix:// or redis+sentinel://host:port[,...]"
+              help="Redis URL (redis://, rediss://, unix:// or redis[s]+sentinel://host:port[,...]"
                    "/service-name[/db], password allowed) holding the ready set; "
                    "needs --service. Env: SLUICE_REDIS_URL.")
 @click.option("--redis-ca-file", type=click.Path(dir_okay=False), envvar="SLUICE_REDIS_CA_FILE",

@@ -8,12 +8,19 @@ Accepted forms:
     unix://[[user]:password@]/path/to/redis.sock[?db=N]
     redis+sentinel://[[user]:password@]host:port[,host:port...]/service-name[/db]
                      [?sentinel_password=...&sentinel_username=...]
+    rediss+sentinel://...                             the same, TLS to the sentinels and
+                                                      to the data nodes
 
 In the Sentinel form the hosts are the sentinels (at least one; list all of them),
 `service-name` is the name the sentinels monitor (`sentinel monitor NAME ...`) and
 `db` defaults to 0. The password in the user-info part is the one of the data nodes
 (the primary and its replicas, `requirepass`); sentinels are contacted without a
-password unless `sentinel_password` is given (their own `requirepass`). Every
+password unless `sentinel_password` is given (their own `requirepass`): the data
+password never goes to a sentinel. Whoever answers as a sentinel still picks the
+primary the data password is sent to, so sentinels are inside the trust boundary;
+`rediss+sentinel://` verifies the certificate of every sentinel and of the primary
+it names (against `--redis-ca-file` or the system's CAs), so neither can be
+impersonated on the network. Every
 client asks the sentinels for the current primary whenever it opens a connection,
 so after a failover a reconnect lands on the new primary; connections to a primary
 that was demoted are closed by the sentinels (CLIENT KILL) or fail with READONLY,
@@ -36,6 +43,8 @@ from redis.asyncio.sentinel import Sentinel
 from proxy.errors import ConfigError
 
 SENTINEL_SCHEME = "redis+sentinel"
+TLS_SENTINEL_SCHEME = "rediss+sentinel"
+_SENTINEL_SCHEMES = (SENTINEL_SCHEME, TLS_SENTINEL_SCHEME)
 _PLAIN_SCHEMES = ("redis", "rediss", "unix")
 _SENTINEL_QUERY = ("sentinel_password", "sentinel_username")
 
@@ -55,13 +64,15 @@ class SentinelURL:
     password: str | None = None
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    tls: bool = False  # rediss+sentinel://: TLS to the sentinels and the data nodes
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse a `redis+sentinel://` URL; RedisURLError names what is wrong."""
     scheme, sep, rest = url.partition("://")
-    if scheme.lower() != SENTINEL_SCHEME or not sep:
+    if scheme.lower() not in _SENTINEL_SCHEMES or not sep:
         raise RedisURLError(f"not a {SENTINEL_SCHEME}:// URL: {redact(url)}")
+    _check_user_info(url)
     # urlsplit would choke on the comma-separated host list; split by hand.
     rest, _, query = rest.partition("?")
     rest, _, fragment = rest.partition("#")
@@ -109,6 +120,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         password=password,
         sentinel_username=options.get("sentinel_username") or None,
         sentinel_password=options.get("sentinel_password") or None,
+        tls=scheme.lower() == TLS_SENTINEL_SCHEME,
     )
 
 
@@ -123,20 +135,34 @@ def _host_port(item: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _check_user_info(url: str) -> None:
+    """Refuse a user-info part with `/`, `?` or `#`: a URL parser cuts it there and its
+    error would quote a piece of the password (base64 passwords have `/`)."""
+    auth = url.partition("://")[2].rpartition("@")[0]
+    if any(c in auth for c in "/?#"):
+        raise RedisURLError(f"Redis URL {redact(url)!r}: its user-info has a '/', '?' or "
+                            "'#': percent-encode them in the password (%2F, %3F, %23)")
+
+
 def validate(url: str) -> None:
     """Raise RedisURLError if `url` is not a Redis URL sluice can use (no I/O)."""
     scheme = url.partition("://")[0].lower() if "://" in url else ""
-    if scheme == SENTINEL_SCHEME:
+    if scheme in _SENTINEL_SCHEMES:
         parse_sentinel_url(url)
         return
     if scheme not in _PLAIN_SCHEMES:
         raise RedisURLError(
-            f"Redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix:// or "
-            f"{SENTINEL_SCHEME}://")
+            f"Redis URL {redact(url)!r}: scheme must be redis://, rediss://, unix://, "
+            f"{SENTINEL_SCHEME}:// or {TLS_SENTINEL_SCHEME}://")
+    _check_user_info(url)
     try:
         aioredis.ConnectionPool.from_url(url)
     except ValueError as exc:
-        raise RedisURLError(f"Redis URL {redact(url)!r}: {exc}") from exc
+        message = str(exc)
+        for secret in _secrets(url):
+            message = message.replace(secret, "***")
+        # Not `from exc`: its message (in every traceback) may quote the password.
+        raise RedisURLError(f"Redis URL {redact(url)!r}: {message}") from None
 
 
 def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
@@ -144,8 +170,9 @@ def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
     certificate; None: the system's). Raises ConfigError for a CA file without TLS."""
     if ca_file is None:
         return {}
-    if not url.startswith("rediss://"):
-        raise ConfigError("--redis-ca-file needs a rediss:// (TLS) Redis URL")
+    if not url.lower().startswith(("rediss://", f"{TLS_SENTINEL_SCHEME}://")):
+        raise ConfigError(f"--redis-ca-file needs a rediss:// or {TLS_SENTINEL_SCHEME}:// "
+                          "(TLS) Redis URL")
     if not os.path.isfile(ca_file):
         raise ConfigError(f"--redis-ca-file: no file {ca_file!r}")
     return {"ssl_ca_certs": ca_file}
@@ -154,15 +181,21 @@ def redis_tls_options(url: str, ca_file: str | None) -> dict[str, Any]:
 def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     """A redis-py asyncio client for any accepted URL; no I/O yet.
 
-    `kwargs` go to every data-node connection (socket timeouts, `retry` ...); the
-    sentinels get the same socket timeouts. Closing the client (`aclose()`) also
-    closes its sentinel connections.
+    `kwargs` go to every data-node connection (socket timeouts, `retry`, `ssl_ca_certs`
+    ...); the sentinels get the same socket timeouts and TLS options, and never the
+    data nodes' credentials. Closing the client (`aclose()`) also closes its sentinel
+    connections.
     """
     validate(url)
-    if url.partition("://")[0].lower() != SENTINEL_SCHEME:
+    if url.partition("://")[0].lower() not in _SENTINEL_SCHEMES:
         return aioredis.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
-    sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    if target.tls:
+        # Certificates verified (redis-py's default CERT_REQUIRED, hostname checked).
+        kwargs = {**kwargs, "ssl": True}
+    sentinel_kwargs: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k.startswith(("socket_", "ssl"))
+    }
     if target.sentinel_password is not None:
         sentinel_kwargs["password"] = target.sentinel_password
     if target.sentinel_username is not None:
@@ -196,16 +229,21 @@ class SentinelRedis(aioredis.Redis):
 
 
 def redact(url: str) -> str:
-    """The URL with every password replaced by ***."""
+    """The URL with every password replaced by ***.
+
+    The user-info ends at the *last* `@`: a password with an unencoded `/`, `?` or `#`
+    (base64 passwords have `/`) must not be mistaken for the path or the query. An `@`
+    in the query then hides a little more than needed, never less.
+    """
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    auth, at, rest = rest.rpartition("@")
     rest, qmark, query = rest.partition("?")
     authority, slash, path = rest.partition("/")
-    auth, at, host = authority.rpartition("@")
     if at:
         user = auth.partition(":")[0] if ":" in auth else ""
-        authority = f"{user}:***@{host}"
+        authority = f"{user}:***@{authority}"
     if qmark:
         try:
             items = parse_qs(query, keep_blank_values=True)
@@ -217,9 +255,19 @@ def redact(url: str) -> str:
     return f"{scheme}://{authority}{slash}{path}{qmark}{query}"
 
 
+def _secrets(url: str) -> list[str]:
+    """The password of `url`'s user-info as written and decoded (for scrubbing messages)."""
+    auth, at, _ = url.partition("://")[2].rpartition("@")
+    if not at:
+        return []
+    user, colon, password = auth.partition(":")
+    secret = password if colon else user
+    return [s for s in {secret, unquote(secret)} if s]
+
+
 def describe(url: str) -> str:
     """A short, password-free description of where the URL points (for logs)."""
-    if url.partition("://")[0].lower() == SENTINEL_SCHEME:
+    if url.partition("://")[0].lower() in _SENTINEL_SCHEMES:
         try:
             target = parse_sentinel_url(url)
         except RedisURLError:

@@ -149,8 +149,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "proxy.sources": ("proxy.wire", "proxy.config", "proxy.errors", "proxy.readyset",
                       "proxy.stats", "proxy.tasks", "proxy.compat", "proxy.redisurl",
                       "proxy.tally"),
-    # display shows ops' views; the decisions read the spec
-    "controlplane": (_CP + "spec", _CP + "ops", *CONTROLPLANE_MAY_IMPORT),
+    # display shows ops' views and escapes what Redis holds; the decisions read the spec
+    "controlplane": (_CP + "spec", _CP + "ops", _CP + "store.untrusted",
+                     *CONTROLPLANE_MAY_IMPORT),
     # the wire contract only (policy names, PrefixOptions); nothing else of controlplane
     "controlplane.spec": ("proxy.wire",),
     # nothing in the control plane above it (reconcile, ops, cli)

@@ -149,7 +149,8 @@ class ClusterStatus:
         if self.listed_at is None:
             return []
         namespace = re.escape(self._prefix)
-        ours = re.compile(rf"{namespace}.+-r[0-9]+-v[0-9]+")
+        # The namespace's prefix ends with the `.` no slug holds: exactly this namespace.
+        ours = re.compile(rf"{namespace}[a-z0-9][-a-z0-9]*-r[0-9]+-v[0-9]+")
         prefixes = {svc: cluster_prefix(self._namespace, svc) for svc in recorded}
         found: list[tuple[str, str]] = []
         for name in list(self.clusters):

@@ -1,8 +1,14 @@
 """The SkyPilot backend's pure parts: cluster names, the SkyPilot task of one replica,
 and how a replica's handle reads in `sluice status` (Sky Serve's INFRA / RESOURCES).
 
-The cluster is named `{namespace}-{service}-r{id}-v{version}` (`cluster_name`; the
-namespace is the Redis prefix), within SkyPilot's cluster-name regex. The task is
+The cluster is named `{namespace}.{service}-r{id}-v{version}` (`cluster_name`; the
+namespace is the Redis prefix), within SkyPilot's cluster-name regex. The `.` makes
+the name injective: neither part can hold one (both are slugs of `[a-z0-9-]`), so
+namespace `sluice-prod` with service `llm` and namespace `sluice` with service
+`prod-llm` never share a cluster (with `-` they did: issue 24). Clusters named the
+old way (`{namespace}-{service}-...`, ambiguous by construction) are neither adopted
+nor swept by name; the replicas recorded with them are still stopped through their
+handles, which name the cluster. The task is
 the user's service YAML minus `service:` (`task_config`); see skypilot.py.
 """
 
@@ -41,11 +47,12 @@ def _slug(text: str) -> str:
 
 
 def cluster_prefix(namespace: str, service: str) -> str:
-    """Every cluster of `service` starts with this (followed by `-r{id}-v{version}`)."""
+    """Every cluster of `service` starts with this (followed by `-r{id}-v{version}`);
+    with service "" it is the namespace's own prefix, ending with the `.`."""
     ns = _slug(namespace) or "sluice"
     if not ns[0].isalpha():
         ns = f"s{ns}"
-    return f"{ns}-{_slug(service)}"
+    return f"{ns}.{_slug(service)}"
 
 
 def cluster_name(namespace: str, service: str, replica_id: int, version: int) -> str:

@@ -97,8 +97,8 @@ def with_store(target: Target, fn: Callable[[Store], Awaitable[T]]) -> T:
 
 
 REDIS_HELP = (
-    "Redis URL (redis://, rediss://, unix://, or redis+sentinel://host:port[,host:port...]"
-    "/service-name[/db]; password allowed). Default: the Redis of a "
+    "Redis URL (redis://, rediss://, unix://, or redis+sentinel:// (rediss+sentinel:// for "
+    "TLS) host:port[,host:port...]/service-name[/db]; password allowed). Default: the Redis of a "
     f"`sluice run` on --state-dir, else {DEFAULT_REDIS_URL}. Env: SLUICE_REDIS_URL."
 )
 
@@ -116,8 +116,8 @@ def redis_options(
             envvar="SLUICE_REDIS_CA_FILE",
             expose_value=False,
             callback=_keep_ca_file,
-            help="CA certificate(s) that signed a rediss:// server's certificate (default: "
-            "the system's). Env: SLUICE_REDIS_CA_FILE.",
+            help="CA certificate(s) that signed a rediss:// or rediss+sentinel:// server's "
+            "certificate (default: the system's). Env: SLUICE_REDIS_CA_FILE.",
         )(command)
         command = click.option(
             "--state-dir",

@@ -18,7 +18,10 @@ One step of a service, in three parts so that planning does no I/O:
 3. `write_step` (after the commit): each decision is written to the store
    (`{prefix}:svc:{name}:autoscaler`, an `AutoscalerStatus`) for `sluice status`,
    and every `RPS_TRIM_INTERVAL_SECONDS` the service's rps hash is trimmed to the
-   QPS window, whether or not the service autoscales on QPS.
+   QPS window, whether or not the service autoscales on QPS. As often, first thing
+   in the service's step (before any read in MULTI or commit, which Redis refuses
+   at maxmemory), each hash proxies write that is over its bounds is deleted
+   (`trim_due`, `Store.enforce_bounds`).
 
 The decisions live in this process only: a controller that takes over starts from
 the number of replicas it finds running, not from zero.
@@ -48,6 +51,9 @@ log = logging.getLogger("sluice.scaling")
 INFLIGHT_FRESH_SECONDS = 3.0
 #: An engine record older than this (scrapes failing) is not counted.
 ENGINE_FRESH_SECONDS = 5.0
+#: Proxies' clocks ahead of the controller's by more than this: their in-flight
+#: entries are not counted, their request counts are trimmed.
+MAX_CLOCK_SKEW_SECONDS = 60
 #: Every service's rps hash is trimmed to the QPS window at least this often, whether
 #: or not it autoscales on QPS (proxies write one field per second regardless).
 RPS_TRIM_INTERVAL_SECONDS = 10.0
@@ -146,6 +152,12 @@ class AutoscalerRegistry:
         )
         return _Service(autoscaler, (record.created_at, record.version), due=now)
 
+    def trim_due(self, name: str, now: float) -> bool:
+        """Whether this step trims the service's rps hash (and so polices the bounds of
+        every hash its proxies write; see the module docstring)."""
+        service = self._services.get(name)
+        return service is None or now >= service.trim_due
+
     def wants_signals(self, record: ServiceRecord, now: float) -> bool:
         """Whether `observe` may decide (or reset) in a step at `now`: then the signals
         are read before planning."""
@@ -228,20 +240,24 @@ async def read_signals(
         return ScaleSignals(queue=float(sum(s.queue for s in live)))
     if policy.target_ongoing_requests is not None:
         entries = await store.read_inflight(name)
-        fresh = [e.total for e in entries.values() if now - e.at <= INFLIGHT_FRESH_SECONDS]
+        # An entry from the future (beyond clock skew) would stay "fresh" forever.
+        fresh = [e.total for e in entries.values()
+                 if -MAX_CLOCK_SKEW_SECONDS <= now - e.at <= INFLIGHT_FRESH_SECONDS]  # fmt: skip
         return ScaleSignals(inflight=float(sum(fresh)))
     if policy.target_qps_per_replica is None:
         return ScaleSignals()
     # Part of the read, as it bounds it: seconds before the window are never read again.
     # (Only the proxies' counters are touched; the controller's state is not.)
-    await store.trim_rps(name, int(now) - qps_window - 1)
+    await store.trim_rps(name, int(now) - qps_window - 1, int(now) + MAX_CLOCK_SKEW_SECONDS)
     return ScaleSignals(rps=await store.read_rps(name))
 
 
 async def write_step(store: Store, name: str, step: ScaleStep, qps_window: int) -> None:
     """After the commit: record the decision, trim the rps hash to the QPS window."""
     if step.trim:
-        await store.trim_rps(name, int(step.now) - qps_window - 1)
+        await store.trim_rps(
+            name, int(step.now) - qps_window - 1, int(step.now) + MAX_CLOCK_SKEW_SECONDS
+        )
     if step.status is not None:
         await store.write_autoscaler(name, step.status)
 

@@ -47,6 +47,9 @@ class ControllerConfig:
     `autoscaler_interval` / `autoscaler_zero_interval`: seconds between autoscaling
     decisions (while the target is 0); `qps_window_seconds`: what QPS is averaged
     over. Sky Serve's values by default; tests shorten them.
+    `nudge_gap`: nudges on the control channel (anyone with a proxy's Redis user
+    publishes there) wake the loop at most once per this many seconds; the ones
+    between are folded into one wake at the gap's end.
     """
 
     redis_url: str
@@ -65,6 +68,7 @@ class ControllerConfig:
     autoscaler_interval: float = DECISION_INTERVAL_SECONDS
     autoscaler_zero_interval: float = NO_REPLICA_DECISION_INTERVAL_SECONDS
     qps_window_seconds: int = QPS_WINDOW_SECONDS
+    nudge_gap: float = 0.1
 
 
 class ReadinessProber(Protocol):

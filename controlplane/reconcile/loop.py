@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -257,6 +258,10 @@ class Controller:
         # step when this one fails.
         scaled = self._unwritten.pop(name, None)
         try:
+            if self._autoscalers.trim_due(name, self._clock()):
+                # First: at maxmemory (a Redis filled through a proxy's user) Redis
+                # refuses commits and even the MULTI of read_state, but not these deletes.
+                await self._store.enforce_bounds(name)
             for _ in range(_MAX_REPLANS):
                 state = await self._store.read_state(name)
                 if state is None:
@@ -402,13 +407,24 @@ class Controller:
         timeout = self.config.reconcile_interval
         if self._deadline is not None:
             timeout = min(timeout, max(0.0, self._deadline - self._clock()))
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await self._wake.wait()
+        # Not `asyncio.timeout` + suppress(TimeoutError): on Python 3.11, a cancellation
+        # that lands as the timeout expires comes out as TimeoutError, and run() would
+        # swallow it and go on stepping (a flood of nudges made that likely).
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((waiter,), timeout=timeout)
+        finally:
+            waiter.cancel()
 
     async def _listen(self) -> None:
-        """Wake the loop on every nudge; resubscribe (with backoff) when Redis drops."""
+        """Wake the loop on nudges, at most once per `config.nudge_gap` (a flood of them
+        must not make the controller step back to back); resubscribe (with backoff)
+        when Redis drops."""
         backoff = 0.1
+        gap = self.config.nudge_gap
+        loop = asyncio.get_running_loop()
+        woke_at = -math.inf
+        pending = False  # a nudge arrived inside the gap: wake at its end
         while True:
             try:
                 subscription = await self._store.subscribe_control()
@@ -416,11 +432,20 @@ class Controller:
                     backoff = 0.1
                     self.wake()  # anything published while unsubscribed is lost: look now
                     while True:
-                        nudge = await subscription.get(timeout=5.0)
-                        if nudge is not None and nudge.reason == "demand":
-                            self.demand(nudge.service)
-                        elif nudge is not None:
+                        left = woke_at + gap - loop.time()
+                        if pending and left <= 0:
+                            pending, woke_at = False, loop.time()
                             self.wake()
+                        nudge = await subscription.get(timeout=min(5.0, left) if pending else 5.0)
+                        if nudge is None:
+                            continue
+                        if nudge.reason == "demand":
+                            self._autoscalers.note_demand(nudge.service)
+                        if loop.time() - woke_at >= gap:
+                            pending, woke_at = False, loop.time()
+                            self.wake()
+                        else:
+                            pending = True
                 finally:
                     await subscription.aclose()
             except asyncio.CancelledError:

@@ -44,6 +44,13 @@ from controlplane.records import (
 from controlplane.store.codec import decode_replica, decode_replicas, decode_service_record, text
 from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
+from controlplane.store.untrusted import (
+    BOUNDED_READ,
+    ENFORCE_BOUNDS,
+    MAX_FIELDS,
+    MAX_HASH_BYTES,
+    Rejects,
+)
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.engines import EngineView
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
@@ -85,6 +92,10 @@ class Store:
             client, self.keys, clock, max_attempts=max_commit_attempts, fence=fence
         )
         self._lease = LeaseScripts(client)
+        self._bounded_read = client.register_script(BOUNDED_READ)
+        self._enforce_bounds = client.register_script(ENFORCE_BOUNDS)
+        #: What proxies wrote that was skipped, by (service, kind) (untrusted.py).
+        self.rejects = Rejects()
 
     @classmethod
     def from_url(
@@ -287,7 +298,9 @@ class Store:
         A field that is not an integer second with an integer count (written by hand,
         or by something that is not a sluice proxy) is skipped and logged.
         """
-        return await telemetry.read_rps(self._redis, self.keys, name)
+        return await telemetry.read_rps(
+            self._redis, self.keys, name, self._bounded_read, self.rejects
+        )
 
     async def read_rps_seconds(self, name: str, seconds: Iterable[int]) -> dict[int, int]:
         """The request counts of these unix seconds only (absent or malformed ones are
@@ -295,15 +308,33 @@ class Store:
         hash (the dashboard)."""
         return await telemetry.read_rps_seconds(self._redis, self.keys, name, list(seconds))
 
-    async def trim_rps(self, name: str, before: int) -> int:
-        """Delete request counts of seconds earlier than `before`, and fields that are not
-        an integer second (logged); returns how many were deleted."""
-        return await telemetry.trim_rps(self._redis, self.keys, name, before)
+    async def trim_rps(self, name: str, before: int, until: int | None = None) -> int:
+        """Delete request counts of seconds earlier than `before` (or later than `until`),
+        and fields that are not a unix second with a count (counted in `rejects`);
+        returns how many were deleted. A hash over its bounds is deleted whole."""
+        return await telemetry.trim_rps(
+            self._redis, self.keys, name, before, until, self._bounded_read, self.rejects
+        )
+
+    async def enforce_bounds(self, name: str) -> int:
+        """Delete whichever of the service's proxy-written hashes (rps, inflight,
+        proxies) is over its bounds (untrusted.py), unread; returns how many. The deletes
+        work under `noeviction` at maxmemory, so a Redis filled through a proxy's user
+        gets its memory back (counted in `rejects`)."""
+        keys = [self.keys.rps(name), self.keys.inflight(name), self.keys.proxies(name)]
+        with redis_errors():
+            deleted = int(await self._enforce_bounds(keys=keys, args=[MAX_FIELDS, MAX_HASH_BYTES]))
+        if deleted:
+            self.rejects.reject(name, "hash", f"{deleted} hash(es) over {MAX_FIELDS} fields "
+                                f"or {MAX_HASH_BYTES} bytes: deleted", deleted)  # fmt: skip
+        return deleted
 
     async def read_inflight(self, name: str) -> dict[str, InflightEntry]:
         """Every proxy's in-flight counts (proxy id -> entry); stale ones included, the
         caller judges freshness by `at`. An entry that fails to decode is skipped."""
-        return await telemetry.read_inflight(self._redis, self.keys, name)
+        return await telemetry.read_inflight(
+            self._redis, self.keys, name, self._bounded_read, self.rejects
+        )
 
     async def read_proxies(
         self, name: str, *, stale_after: float = 30.0
@@ -316,7 +347,13 @@ class Store:
         entry that fails to decode is skipped.
         """
         return await telemetry.read_proxies(
-            self._redis, self.keys, name, now=self._clock(), stale_after=stale_after
+            self._redis,
+            self.keys,
+            name,
+            self._bounded_read,
+            self.rejects,
+            now=self._clock(),
+            stale_after=stale_after,
         )
 
     async def write_autoscaler(self, name: str, status: AutoscalerStatus) -> None:
@@ -378,7 +415,7 @@ class Store:
 
     async def subscribe_control(self) -> ControlSubscription:
         """Subscribe to the control channel (nudges); the caller closes the subscription."""
-        return await pubsub.subscribe_control(self._redis, self.keys)
+        return await pubsub.subscribe_control(self._redis, self.keys, self.rejects)
 
     async def nudge(self, name: str, reason: str = "changed") -> int:
         """Ask the controller to reconcile `name` now. Returns how many listeners got it."""

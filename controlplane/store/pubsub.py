@@ -13,15 +13,15 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from controlplane.errors import StoreUnavailable, redis_errors
+from controlplane.store.untrusted import Rejects, parse_nudge
 from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import ReadySnapshot
-from proxy.wire.telemetry import Nudge, decode_nudge, encode_nudge
+from proxy.wire.telemetry import Nudge, encode_nudge
 
 log = logging.getLogger("sluice.store")
 
@@ -47,7 +47,9 @@ async def follow_snapshots(
         await stream.aclose()
 
 
-async def subscribe_control(redis: aioredis.Redis, keys: Keys) -> ControlSubscription:
+async def subscribe_control(
+    redis: aioredis.Redis, keys: Keys, rejects: Rejects
+) -> ControlSubscription:
     """`Store.subscribe_control`."""
     pubsub = redis.pubsub()
     with redis_errors():
@@ -56,7 +58,7 @@ async def subscribe_control(redis: aioredis.Redis, keys: Keys) -> ControlSubscri
         except BaseException:
             await pubsub.aclose()  # type: ignore[no-untyped-call]
             raise
-    return ControlSubscription(pubsub)
+    return ControlSubscription(pubsub, rejects)
 
 
 async def nudge(redis: aioredis.Redis, keys: Keys, name: str, reason: str) -> int:
@@ -75,13 +77,16 @@ class ControlSubscription:
     reconciles on its own interval anyway.
     """
 
-    def __init__(self, pubsub: Any) -> None:
+    def __init__(self, pubsub: Any, rejects: Rejects) -> None:
         self._pubsub = pubsub
+        self._rejects = rejects
 
     async def get(self, timeout: float) -> Nudge | None:  # noqa: ASYNC109 (redis-py's own)
         """The next nudge, or None if none arrives within `timeout` seconds.
 
-        A message that is not a nudge is logged and skipped (None).
+        A message that is not a nudge naming a well-formed service name is skipped
+        (None), counted and logged once a minute (untrusted.parse_nudge): anyone with a
+        proxy's Redis user publishes here.
         """
         with redis_errors():
             message = await self._pubsub.get_message(
@@ -89,11 +94,7 @@ class ControlSubscription:
             )
         if message is None or message.get("type") != "message":
             return None
-        try:
-            return decode_nudge(message["data"])
-        except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-            log.warning("ignoring an invalid nudge: %s", exc)
-            return None
+        return parse_nudge(message.get("data"), self._rejects)
 
     async def aclose(self) -> None:
         """Unsubscribe and release the connection."""

@@ -2,8 +2,10 @@
 request rates, in-flight counts and heartbeats, and the autoscaler's last decision.
 
 None of it changes the ready set, so none of it goes through the commit transaction.
-Values a proxy or a person wrote that do not decode are skipped (and logged where it
-helps), never fatal: they only inform the autoscaler and `sluice status`.
+What proxies write (rps, inflight, proxies) is untrusted: read with the bounded read of
+untrusted.py (a hash over its bounds is deleted unread) and decoded by its decoders
+(what does not decode is skipped, counted in `rejects`, logged once a minute), never
+fatal: it only informs the autoscaler and `sluice status`.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 
 from controlplane.errors import redis_errors
 from controlplane.records import AutoscalerStatus, Event
-from controlplane.store.codec import (
-    AUTOSCALER_DECODER,
-    ENCODER,
-    HEARTBEAT_DECODER,
-    INFLIGHT_DECODER,
-    parse_int,
-    text,
+from controlplane.store.codec import AUTOSCALER_DECODER, ENCODER, text
+from controlplane.store.untrusted import (
+    MAX_FIELDS,
+    MAX_HASH_BYTES,
+    Rejects,
+    count,
+    decode_heartbeats,
+    decode_inflight,
+    decode_rps,
+    second,
 )
 from proxy.wire.keys import Keys
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
@@ -70,87 +76,110 @@ async def events(redis: aioredis.Redis, keys: Keys, name: str, count: int) -> li
     return out
 
 
-async def read_rps(redis: aioredis.Redis, keys: Keys, name: str) -> dict[int, int]:
-    """`Store.read_rps`."""
+async def _read_bounded(
+    script: AsyncScript, key: str, name: str, kind: str, rejects: Rejects
+) -> dict[bytes | str, bytes | str]:
+    """The fields of a hash proxies write; {} (and the hash deleted) when it is over
+    its bounds (untrusted.BOUNDED_READ)."""
     with redis_errors():
-        raw = await redis.hgetall(keys.rps(name))
-    counts = {}
-    for second, count in raw.items():
-        parsed = parse_int(second), parse_int(count)
-        if parsed[0] is None or parsed[1] is None:
-            log.warning("service %s: ignoring a malformed rps field %r=%r", name,
-                        second, count)  # fmt: skip
-            continue
-        counts[parsed[0]] = parsed[1]
-    return dict(sorted(counts.items()))
+        reply = await script(keys=[key], args=[MAX_FIELDS, MAX_HASH_BYTES])
+    if not reply[1]:
+        rejects.reject(name, kind, f"the hash had {reply[0]} fields or over "
+                       f"{MAX_HASH_BYTES} bytes: deleted")  # fmt: skip
+        return {}
+    items = reply[2:]
+    return dict(zip(items[::2], items[1::2], strict=True))
 
 
 async def read_rps_seconds(
     redis: aioredis.Redis, keys: Keys, name: str, seconds: list[int]
 ) -> dict[int, int]:
-    """`Store.read_rps_seconds`: one HMGET, whatever the size of the hash."""
+    """`Store.read_rps_seconds`: one HMGET, whatever the size of the hash; a value
+    that is not a count (untrusted.count) is left out."""
     if not seconds:
         return {}
     with redis_errors():
         raw = await redis.hmget(keys.rps(name), [str(s) for s in seconds])
     counts = {}
-    for second, count in zip(seconds, raw, strict=True):
-        parsed = None if count is None else parse_int(count)
+    for at, raw_count in zip(seconds, raw, strict=True):
+        parsed = None if raw_count is None else count(raw_count)
         if parsed is not None:
-            counts[second] = parsed
+            counts[at] = parsed
     return counts
 
 
-async def trim_rps(redis: aioredis.Redis, keys: Keys, name: str, before: int) -> int:
+async def read_rps(
+    redis: aioredis.Redis, keys: Keys, name: str, script: AsyncScript, rejects: Rejects
+) -> dict[int, int]:
+    """`Store.read_rps`."""
+    raw = await _read_bounded(script, keys.rps(name), name, "rps", rejects)
+    return decode_rps(name, raw, rejects)
+
+
+async def trim_rps(
+    redis: aioredis.Redis,
+    keys: Keys,
+    name: str,
+    before: int,
+    until: int | None,
+    script: AsyncScript,
+    rejects: Rejects,
+) -> int:
     """`Store.trim_rps`."""
     key = keys.rps(name)
+    raw = await _read_bounded(script, key, name, "rps", rejects)
+    old = []
+    malformed = 0
+    for field, value in raw.items():
+        at = second(field)
+        if at is None or count(value) is None:
+            malformed += 1
+            old.append(field)
+        elif at < before or (until is not None and at > until):
+            old.append(field)
+    if malformed:
+        rejects.reject(name, "rps", "not a unix second -> count in 0..1e9: deleted", malformed)
+    if not old:
+        return 0
     with redis_errors():
-        seconds = await redis.hkeys(key)
-        old = []
-        for raw in seconds:
-            second = parse_int(raw)
-            if second is None:
-                log.warning("service %s: deleting a malformed rps field %r", name, raw)
-            if second is None or second < before:
-                old.append(raw)
-        if not old:
-            return 0
         deleted: int = await redis.hdel(key, *old)
     return deleted
 
 
-async def read_inflight(redis: aioredis.Redis, keys: Keys, name: str) -> dict[str, InflightEntry]:
-    """`Store.read_inflight`."""
-    with redis_errors():
-        raw = await redis.hgetall(keys.inflight(name))
-    entries = {}
-    for proxy_id, value in raw.items():
-        try:
-            entries[text(proxy_id)] = INFLIGHT_DECODER.decode(value)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            log.warning("service %s: ignoring an invalid in-flight entry", name)
+async def read_inflight(
+    redis: aioredis.Redis, keys: Keys, name: str, script: AsyncScript, rejects: Rejects
+) -> dict[str, InflightEntry]:
+    """`Store.read_inflight`: fields that do not decode are skipped and deleted."""
+    key = keys.inflight(name)
+    raw = await _read_bounded(script, key, name, "inflight", rejects)
+    entries, skipped = decode_inflight(name, raw, rejects)
+    if skipped:
+        with redis_errors():
+            await redis.hdel(key, *skipped)
     return entries
 
 
 async def read_proxies(
-    redis: aioredis.Redis, keys: Keys, name: str, *, now: float, stale_after: float
+    redis: aioredis.Redis,
+    keys: Keys,
+    name: str,
+    script: AsyncScript,
+    rejects: Rejects,
+    *,
+    now: float,
+    stale_after: float,
 ) -> dict[str, ProxyHeartbeat]:
-    """`Store.read_proxies`: live heartbeats; entries stale at `now` are deleted."""
+    """`Store.read_proxies`: live heartbeats; entries stale at `now`, and fields that do
+    not decode, are deleted."""
     key = keys.proxies(name)
-    with redis_errors():
-        raw = await redis.hgetall(key)
+    raw = await _read_bounded(script, key, name, "proxies", rejects)
+    decoded, stale = decode_heartbeats(name, raw, rejects)
     beats: dict[str, ProxyHeartbeat] = {}
-    stale: list[bytes | str] = []
-    for proxy_id, value in raw.items():
-        try:
-            beat = HEARTBEAT_DECODER.decode(value)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            log.warning("service %s: ignoring an invalid proxy heartbeat", name)
-            continue
+    for proxy_id, beat in decoded.items():
         if now - beat.seen_at > stale_after:
             stale.append(proxy_id)
         else:
-            beats[text(proxy_id)] = beat
+            beats[proxy_id] = beat
     if stale:
         with redis_errors():
             await redis.hdel(key, *stale)

@@ -218,6 +218,8 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
             ("SET", "sluice:leader", "me"),
             ("GET", "sluice:svc:other:snapshot"),
             ("HINCRBY", "sluice:svc:other:rps", "1", "1"),
+            ("HSET", "sluice:svc:llm:rps", "1", "9" * 401),  # counts are HINCRBY-only
+            ("HINCRBY", "sluice:svc:llm:inflight", "p", "1"),
             ("EVAL", "return redis.call('SET', KEYS[1], 'x')", "1", "sluice:svc:llm:snapshot"),
             ("CONFIG", "SET", "dir", "/tmp"),
         ]

@@ -195,7 +195,7 @@ async def test_launch_records_cluster_request_and_resources(
 ) -> None:
     launched = await backend.launch("svc", 1, 1, make_spec(resources={"use_spot": True}), spot=True)
     handle = launched.handle
-    assert handle["cluster"] == "t-svc-r1-v1" and fake.up_names() == ["t-svc-r1-v1"]
+    assert handle["cluster"] == "t.svc-r1-v1" and fake.up_names() == ["t.svc-r1-v1"]
     assert isinstance(handle["request_id"], str) and handle["request_id"].startswith("fake-req-")
     assert (handle["cloud"], handle["region"], handle["zone"]) == (
         "fake", "fake-region-1", "fake-zone-a",
@@ -211,10 +211,10 @@ async def test_launch_records_cluster_request_and_resources(
 async def test_ingress_endpoint_path_is_kept_in_the_replica_url(
     backend: SkyPilotBackend, fake: FakeSkyPilot
 ) -> None:
-    fake.endpoint_path = "/skypilot/default/t-svc-r1-v1-8080"
+    fake.endpoint_path = "/skypilot/default/t.svc-r1-v1-8080"
     launched = await backend.launch("svc", 1, 1, make_spec())
     assert launched.url.endswith(":" + launched.url.split(":")[2].split("/")[0] +
-                                 "/skypilot/default/t-svc-r1-v1-8080")  # fmt: skip
+                                 "/skypilot/default/t.svc-r1-v1-8080")  # fmt: skip
 
 
 async def test_retryable_launch_failure_is_retried_then_succeeds(
@@ -222,8 +222,8 @@ async def test_retryable_launch_failure_is_retried_then_succeeds(
 ) -> None:
     fake.fail_launches = [SdkError("ResourcesUnavailableError: no capacity", retryable=True)]
     launched = await backend.launch("svc", 1, 1, make_spec())
-    assert [n for n, _ in fake.launches] == ["t-svc-r1-v1", "t-svc-r1-v1"]
-    assert launched.handle["cluster"] == "t-svc-r1-v1"
+    assert [n for n, _ in fake.launches] == ["t.svc-r1-v1", "t.svc-r1-v1"]
+    assert launched.handle["cluster"] == "t.svc-r1-v1"
 
 
 async def test_hanging_launch_is_bounded_cancelled_and_torn_down(
@@ -233,7 +233,7 @@ async def test_hanging_launch_is_bounded_cancelled_and_torn_down(
     await backend.start()
     try:
         fake.hang_launches = 1
-        with pytest.raises(Exception, match=r"did not bring cluster t-svc-r1-v1 up within 0.5s"):
+        with pytest.raises(Exception, match=r"did not bring cluster t.svc-r1-v1 up within 0.5s"):
             await backend.launch("svc", 1, 1, make_spec())
         assert ("cancel", "fake-req-1") in fake.events
         assert fake.names() == []
@@ -253,7 +253,7 @@ async def test_down_that_keeps_failing_raises_after_the_retries(
 ) -> None:
     launched = await backend.launch("svc", 1, 1, make_spec())
     fake.fail_downs = 100
-    with pytest.raises(Exception, match=r"sky\.down of cluster t-svc-r1-v1 failed 4 times"):
+    with pytest.raises(Exception, match=r"sky\.down of cluster t.svc-r1-v1 failed 4 times"):
         await backend.terminate(launched.handle)
     assert fake.fail_downs == 96
 
@@ -268,7 +268,7 @@ async def test_preempted_spot_cluster_is_seen_after_a_suspected_refresh_and_avoi
     )  # fmt: skip
     launched = await backend.launch("svc", 1, 1, spec, spot=True)
     assert launched.handle["cloud"] == "aws"
-    await fake.preempt("t-svc-r1-v1")
+    await fake.preempt("t.svc-r1-v1")
     # status without a refresh still says UP (SkyPilot's cache): not yet preempted
     await asyncio.sleep(0)
     assert backend.preemption(launched.handle) is None or fake.events[-1][0] == "preempt"
@@ -277,7 +277,7 @@ async def test_preempted_spot_cluster_is_seen_after_a_suspected_refresh_and_avoi
                      what="the refreshed status to show the preemption")  # fmt: skip
     assert backend.preempted_locations("svc") == {("aws", "us-east-1", "us-east-1a")}
     again = await backend.launch("svc", 2, 1, spec, spot=True)
-    task = fake.tasks["t-svc-r2-v1"]["resources"]
+    task = fake.tasks["t.svc-r2-v1"]["resources"]
     assert task["any_of"] == [{"infra": "gcp/us-central1/us-central1-a"}]
     assert again.handle["cloud"] == "gcp"
 
@@ -287,11 +287,11 @@ async def test_non_spot_suspicion_refreshes_at_most_once_a_minute(
 ) -> None:
     launched = await backend.launch("svc", 1, 1, make_spec())
     backend.suspect(launched.handle)
-    await until(lambda: fake.forced == [["t-svc-r1-v1"]], timeout=5, what="forced refresh")
+    await until(lambda: fake.forced == [["t.svc-r1-v1"]], timeout=5, what="forced refresh")
     backend.suspect(launched.handle)  # within the minute: no second forced refresh
     listings = fake.listings
     await until(lambda: fake.listings >= listings + 2, timeout=5, what="two more refreshes")
-    assert fake.forced == [["t-svc-r1-v1"]]
+    assert fake.forced == [["t.svc-r1-v1"]]
 
 
 async def test_tail_logs_streams_the_cluster_log(
@@ -302,7 +302,7 @@ async def test_tail_logs_streams_the_cluster_log(
     run = "echo hello from $SLUICE_REPLICA_ID; exec sleep 60"
     spec = msgspec.structs.replace(make_spec(), run=run)
     launched = await backend.launch("svc", 1, 1, spec)
-    await until(lambda: fake.clusters["t-svc-r1-v1"].log.stat().st_size > 0, timeout=10,
+    await until(lambda: fake.clusters["t.svc-r1-v1"].log.stat().st_size > 0, timeout=10,
                      what="the replica to log")  # fmt: skip
     out = io.StringIO()
     code = await stream_logs(fake, launched.handle, follow=False, out=out)
@@ -342,14 +342,14 @@ async def test_replicas_are_clusters_and_a_count_only_update_relaunches_nothing(
     await ops.up(store, "svc", make_spec(2))
     view = await ready(store, "svc", 2)
     assert {r.backend for r in view.replicas} == {"skypilot"}
-    assert fake.up_names() == ["t-svc-r1-v1", "t-svc-r2-v1"]
+    assert fake.up_names() == ["t.svc-r1-v1", "t.svc-r2-v1"]
     replicas = (await store.read_state("svc")).replicas  # type: ignore[union-attr]
-    assert replicas[1].handle["cluster"] == "t-svc-r1-v1"
+    assert replicas[1].handle["cluster"] == "t.svc-r1-v1"
 
     await ops.update(store, "svc", make_spec(3))
     view = await ready(store, "svc", 3, version=2)
     assert [r.id for r in view.replicas] == [1, 2, 3]
-    assert [n for n, _ in fake.launches] == ["t-svc-r1-v1", "t-svc-r2-v1", "t-svc-r3-v2"]
+    assert [n for n, _ in fake.launches] == ["t.svc-r1-v1", "t.svc-r2-v1", "t.svc-r3-v2"]
     assert not any(kind == "down" for kind, _ in fake.events)
 
 
@@ -362,7 +362,7 @@ async def test_rolling_update_replaces_clusters_one_by_one(
     await ops.update(store, "svc", make_spec(2, env="b"))
     await ready(store, "svc", 2, version=2)
     await until(lambda: len(fake.names()) == 2, timeout=30, what="old clusters down")
-    assert fake.up_names() == ["t-svc-r3-v2", "t-svc-r4-v2"]
+    assert fake.up_names() == ["t.svc-r3-v2", "t.svc-r4-v2"]
     # One old cluster retired per new one UP: never a v1 down before a v2 cluster serves.
     ups = downs = 0
     for kind, name in fake.events:
@@ -437,8 +437,8 @@ async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones
 
     # What a controller that died mid-launch leaves: a record still PROVISIONING whose
     # cluster came up (replica 3), and clusters no record owns.
-    await fake.add_running("t-svc-r9-v1", task_config(spec, replica_id=9, port=8080))
-    await fake.add_running("t-gone-r1-v1", task_config(spec, replica_id=1, port=8080))
+    await fake.add_running("t.svc-r9-v1", task_config(spec, replica_id=9, port=8080))
+    await fake.add_running("t.gone-r1-v1", task_config(spec, replica_id=1, port=8080))
     await fake.add_running("someone-elses-cluster", task_config(spec, replica_id=1, port=8080))
 
     def plan(current: Any, replicas: dict[int, ReplicaRecord]) -> tuple[Mutation, None]:
@@ -452,12 +452,12 @@ async def test_controller_restart_adopts_clusters_and_tears_down_unrecorded_ones
     await start_controller(terminate_on_exit=True)
     view = await ready(store, "svc", 3)
     assert {r.id: r.url for r in view.replicas} == urls  # the same clusters, adopted
-    await until(lambda: "t-svc-r9-v1" not in fake.names() and "t-gone-r1-v1"
+    await until(lambda: "t.svc-r9-v1" not in fake.names() and "t.gone-r1-v1"
                      not in fake.names(), timeout=20, what="unrecorded clusters down")  # fmt: skip
     assert "someone-elses-cluster" in fake.names()  # not named like ours: never touched
     assert len(fake.launches) == launches_before  # adopted, nothing relaunched
-    assert fake.up_names() == ["someone-elses-cluster", "t-svc-r1-v1", "t-svc-r2-v1",
-                               "t-svc-r3-v1"]  # fmt: skip
+    assert fake.up_names() == ["someone-elses-cluster", "t.svc-r1-v1", "t.svc-r2-v1",
+                               "t.svc-r3-v1"]  # fmt: skip
 
 
 async def test_down_tears_every_cluster_down(
@@ -499,8 +499,8 @@ async def test_replica_preempt_simulation_tears_the_cluster_down_and_replaces_it
     await ops.preempt_replica(store, "svc", 1)
     view = await ready(store, "svc", 1)
     assert view.replicas[0].id == 2
-    await until(lambda: fake.names() == ["t-svc-r2-v1"], timeout=20, what="r1 torn down")
-    assert ("down", "t-svc-r1-v1") in fake.events
+    await until(lambda: fake.names() == ["t.svc-r2-v1"], timeout=20, what="r1 torn down")
+    assert ("down", "t.svc-r1-v1") in fake.events
 
 
 async def test_cluster_states_as_liveness_and_preemption(
@@ -509,18 +509,18 @@ async def test_cluster_states_as_liveness_and_preemption(
     on_demand = await backend.launch("svc", 1, 1, make_spec())
     spot = await backend.launch("svc", 2, 1, make_spec(resources={"use_spot": True}), spot=True)
     listings = fake.listings
-    fake.clusters["t-svc-r1-v1"].status = "INIT"  # SkyPilot's "unhealthy"
-    fake.clusters["t-svc-r2-v1"].status = "INIT"
+    fake.clusters["t.svc-r1-v1"].status = "INIT"  # SkyPilot's "unhealthy"
+    fake.clusters["t.svc-r2-v1"].status = "INIT"
     await until(lambda: fake.listings >= listings + 2, timeout=5, what="a fresh listing")
     assert backend.exited(on_demand.handle) is None  # the probes judge it
     assert backend.preemption(on_demand.handle) is None  # not spot: never preempted
-    assert backend.preemption(spot.handle) == "cluster t-svc-r2-v1 is INIT"
-    await fake.stop("t-svc-r1-v1")
-    await fake.down("t-svc-r2-v1")
+    assert backend.preemption(spot.handle) == "cluster t.svc-r2-v1 is INIT"
+    await fake.stop("t.svc-r1-v1")
+    await fake.down("t.svc-r2-v1")
     listings = fake.listings
     await until(lambda: fake.listings >= listings + 2, timeout=5, what="a fresh listing")
-    assert backend.exited(on_demand.handle) == "cluster t-svc-r1-v1 is STOPPED"
-    assert backend.exited(spot.handle) == "cluster t-svc-r2-v1 is gone"
+    assert backend.exited(on_demand.handle) == "cluster t.svc-r1-v1 is STOPPED"
+    assert backend.exited(spot.handle) == "cluster t.svc-r2-v1 is gone"
 
 
 async def test_a_launch_failing_after_provisioning_never_leaves_the_machine(
@@ -531,3 +531,41 @@ async def test_a_launch_failing_after_provisioning_never_leaves_the_machine(
     with pytest.raises(Exception, match="setup failed: pip install exited with code 1"):
         await backend.launch("svc", 1, 1, make_spec())
     await until(lambda: fake.names() == [], timeout=10, what="the cluster torn down")
+
+
+def test_cluster_names_of_two_deployments_never_collide() -> None:
+    # Issue 24: with `-` joining the parts, both were "sluice-prod-llm-r1-v1".
+    assert cluster_name("sluice-prod", "llm", 1, 1) != cluster_name("sluice", "prod-llm", 1, 1)
+    for ns, svc in (("sluice-prod", "llm"), ("sluice", "prod-llm")):
+        name = cluster_name(ns, svc, 1, 1)
+        assert CLUSTER_NAME_RE.fullmatch(name), name
+        other = ("sluice", "prod-llm") if ns == "sluice-prod" else ("sluice-prod", "llm")
+        assert parse_cluster(cluster_prefix(*other), name) is None
+
+
+async def test_a_deployment_never_adopts_nor_sweeps_anothers_clusters(
+    fake: FakeSkyPilot, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Against the fake SkyPilot: the default deployment (namespace `sluice`) with service
+    `prod-llm` beside deployment `sluice-prod` with service `llm`, on one SkyPilot user."""
+    prod = SkyPilotBackend(dataclasses.replace(FAST, namespace="sluice-prod"), sdk=fake)
+    await prod.start()
+    try:
+        theirs = await prod.launch("llm", 1, 1, make_spec())
+    finally:
+        await prod.aclose()
+    default = SkyPilotBackend(dataclasses.replace(FAST, namespace="sluice"), sdk=fake)
+    await default.start()
+    try:
+        caplog.set_level("WARNING")
+        assert default.recover("prod-llm", 1) is None  # not its cluster, not its URL
+        default.sweep({"prod-llm": set()})  # "its service is gone" must not reach theirs
+        default.sweep({})
+        mine = await default.launch("prod-llm", 1, 1, make_spec())
+        assert mine.handle["cluster"] != theirs.handle["cluster"]
+        default.sweep({"prod-llm": {1}})
+        # sweep() decides (and logs each teardown it starts) synchronously.
+        assert "tearing down" not in caplog.text, caplog.text
+        assert theirs.handle["cluster"] in fake.up_names()
+    finally:
+        await default.aclose()

@@ -37,7 +37,7 @@ def test_sentinel_url_defaults() -> None:
         ("redis+sentinel://h:1,/svc", "sentinel '' is not host:port"),
         ("redis+sentinel://h:1/svc/0/extra", "is not /service-name[/db]"),
         ("redis+sentinel://h:1//0", "no service name"),
-        ("rediss+sentinel://h:1/svc", "scheme must be"),
+        ("redis+sentinels://h:1/svc", "scheme must be"),
         ("127.0.0.1:6379", "scheme must be"),
         ("redis://127.0.0.1:port/0", "Redis URL"),
     ],

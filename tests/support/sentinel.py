@@ -16,18 +16,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 from urllib.parse import quote
 
 import redis
 
-from controlplane.redisserver import EmbeddedRedis, RedisServerError
+from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
 
 
 class SentinelGroup:
     """A primary, `replicas` replicas and `sentinels` sentinels monitoring them as `service`.
 
     `down_after` (seconds) is how long the primary may be silent before the sentinels
-    call it down; small values make failovers quick in tests.
+    call it down; small values make failovers quick in tests. `tls`: every node and
+    sentinel listens for TLS only (`rediss+sentinel://`; replication and the sentinels'
+    links use TLS too); `binary`: the redis-server to run (TLS needs one built with it).
     """
 
     def __init__(
@@ -42,6 +45,8 @@ class SentinelGroup:
         failover_timeout: float = 10.0,
         persist: bool = False,
         timeout: float = 30.0,
+        tls: RedisTls | None = None,
+        binary: str | None = None,
     ) -> None:
         self._dir = Path(state_dir)
         self.service = service
@@ -52,6 +57,8 @@ class SentinelGroup:
         self._failover_timeout_ms = int(failover_timeout * 1000)
         self._persist = persist
         self._timeout = timeout
+        self._tls = tls
+        self._binary = binary
         self.nodes: list[EmbeddedRedis] = []  # data nodes; nodes[0] started as the primary
         self.sentinels: list[EmbeddedRedis] = []
 
@@ -62,7 +69,8 @@ class SentinelGroup:
         """The `redis+sentinel://` URL of the group (data password included, if any)."""
         auth = f":{quote(self._password, safe='')}@" if self._password else ""
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
-        return f"redis+sentinel://{auth}{hosts}/{self.service}/0"
+        scheme = "rediss+sentinel" if self._tls else "redis+sentinel"
+        return f"{scheme}://{auth}{hosts}/{self.service}/0"
 
     def primary_port(self) -> int:
         """The port of the primary, as the first sentinel that answers says."""
@@ -90,13 +98,15 @@ class SentinelGroup:
         others and every replica). Raises RedisServerError on a timeout."""
         self._dir.mkdir(parents=True, exist_ok=True)
         primary = EmbeddedRedis(self._dir / "node0", password=self._password,
-                                persist=self._persist, options=self._node_options())
+                                persist=self._persist, options=self._node_options(),
+                                tls=self._tls, binary=self._binary)  # fmt: skip
         self.nodes.append(primary)
         primary.start()
         for i in range(1, self._n_replicas + 1):
             replica = EmbeddedRedis(
                 self._dir / f"node{i}", password=self._password, persist=self._persist,
-                options=[*self._node_options(), ("replicaof", f"127.0.0.1 {primary.port}")])
+                options=[*self._node_options(), ("replicaof", f"127.0.0.1 {primary.port}")],
+                tls=self._tls, binary=self._binary)  # fmt: skip
             self.nodes.append(replica)
             replica.start()
         self._wait("replicas in sync", lambda: all(
@@ -110,8 +120,11 @@ class SentinelGroup:
         ]
         if self._password:
             lines.append(f"sentinel auth-pass {self.service} {self._password}")
+        if self._tls:
+            lines.append("tls-replication yes")
         for i in range(self._n_sentinels):
-            sentinel = EmbeddedRedis(self._dir / f"sentinel{i}", sentinel_config=lines)
+            sentinel = EmbeddedRedis(self._dir / f"sentinel{i}", sentinel_config=lines,
+                                     tls=self._tls, binary=self._binary)  # fmt: skip
             self.sentinels.append(sentinel)
             sentinel.start()
         self.wait_settled()
@@ -179,7 +192,11 @@ class SentinelGroup:
     # -- internals ---------------------------------------------------------------------------
 
     def _node_options(self) -> list[tuple[str, str]]:
-        return [("masterauth", self._password)] if self._password else []
+        options = [("masterauth", self._password)] if self._password else []
+        return [*options, ("tls-replication", "yes")] if self._tls else options
+
+    def _tls_kwargs(self) -> dict[str, Any]:
+        return {"ssl": True, "ssl_ca_certs": self._tls.cafile} if self._tls else {}
 
     def _wait_promoted(self, old_port: int) -> int:
         new_port = 0
@@ -224,12 +241,13 @@ class SentinelGroup:
             return {}
         try:
             with redis.Redis(port=node.port or 0, password=self._password,
-                             socket_timeout=1.0, decode_responses=True) as client:
+                             socket_timeout=1.0, decode_responses=True,
+                             **self._tls_kwargs()) as client:
                 info: dict[str, str] = client.info(section)
                 return info
         except redis.RedisError:
             return {}
 
-    @staticmethod
-    def _sentinel_client(sentinel: EmbeddedRedis) -> redis.Redis:
-        return redis.Redis(port=sentinel.port or 0, socket_timeout=1.0, decode_responses=True)
+    def _sentinel_client(self, sentinel: EmbeddedRedis) -> redis.Redis:
+        return redis.Redis(port=sentinel.port or 0, socket_timeout=1.0,
+                           decode_responses=True, **self._tls_kwargs())  # fmt: skip
