@@ -150,19 +150,19 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
                       "proxy.stats", "proxy.tasks", "proxy.compat", "proxy.redisurl",
                       "proxy.tally"),
     # display shows ops' views; the decisions read the spec
-    "controlplane": (_CP + "spec", _CP + "ops", *CONTROLPLANE_MAY_IMPORT),
+    "controlplane": (_CP + "servicespec", _CP + "ops", *CONTROLPLANE_MAY_IMPORT),
     # the wire contract only (policy names, PrefixOptions); nothing else of controlplane
-    "controlplane.spec": ("proxy.wire",),
+    "controlplane.servicespec": ("proxy.wire",),
     # nothing in the control plane above it (reconcile, ops, cli)
     "controlplane.store": (_CP + "errors", _CP + "records", _CP + "states", _CP + "lease",
                            "proxy.wire", "proxy.redisurl"),
     # never the store (backends do not touch Redis) nor the controller
-    "controlplane.backends": (_CP + "records", _CP + "spec", _CP + "statedir",
+    "controlplane.backends": (_CP + "records", _CP + "servicespec", _CP + "statedir",
                               _CP + "processes", "proxy.wire"),
-    "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+    "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                          _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                          _CP + "backends", "proxy.wire"),
-    "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+    "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                                _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                                _CP + "prober", _CP + "lease", _CP + "processes",
                                _CP + "backends", _CP + "engines", "proxy.wire"),
@@ -173,7 +173,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # `sluice run`: everything but the CLI
     "controlplane.run": (_CP + "ops", _CP + "store", _CP + "backends", _CP + "reconcile",
                          _CP + "display", _CP + "redisserver", _CP + "statedir",
-                         _CP + "processes", _CP + "records", _CP + "states", _CP + "spec",
+                         _CP + "processes", _CP + "records", _CP + "states", _CP + "servicespec",
                          "proxy.wire"),
     # all of controlplane; nothing in controlplane imports it
     "controlplane.cli": ("controlplane", "proxy.cli", "proxy.wire"),

@@ -17,7 +17,7 @@ from controlplane.autoscaler import Autoscaler
 from controlplane.backends.skypilot_task import infra_text, resources_text
 from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
 from controlplane.rollout import given_up_by, ready_version
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import GONE, EventKind, ReplicaStatus
 from controlplane.store import ServiceNotFound, Store
 from proxy.wire.engines import EngineStats

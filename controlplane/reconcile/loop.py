@@ -36,7 +36,7 @@ from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.planner import Planner
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceState
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import EventKind, ReplicaStatus, ServiceStatus
 from controlplane.store import LeaseLost, Store, StoreError, StoreUnavailable
 

@@ -75,7 +75,7 @@ from controlplane.rollout import (
     service_status,
     target_replicas,
 )
-from controlplane.spec import ServiceSpec, is_count_only_change
+from controlplane.servicespec import ServiceSpec, is_count_only_change
 from controlplane.states import (
     FAILED_REPLICA_STATUSES,
     LIVE,

@@ -13,7 +13,7 @@ from controlplane.backends.fixedport import PortConflict
 from controlplane.display import LiveView
 from controlplane.ops import ReplicaView, ServiceView
 from controlplane.rollout import accelerator_of
-from controlplane.spec import SpecError, load_spec
+from controlplane.servicespec import SpecError, load_spec
 
 BASE = "service:\n  readiness_probe: /\n  replicas: {replicas}\n"
 

@@ -27,7 +27,7 @@ from controlplane.reconcile.drain import (
     proxy_holds,
 )
 from controlplane.run.config import RunConfig
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 from tests.support.builders import make_spec, pid_of, ready_view

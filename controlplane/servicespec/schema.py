@@ -18,8 +18,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from controlplane.spec.errors import SpecError, translate
-from controlplane.spec.service import (
+from controlplane.servicespec.errors import SpecError, translate
+from controlplane.servicespec.service import (
     EnvName,
     NonNegFloat,
     PrefixRouting,
