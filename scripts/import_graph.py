@@ -147,7 +147,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "proxy": ("proxy.wire", "proxy.sources"),
     # never the app, the runner or the CLI
     "proxy.sources": ("proxy.wire", "proxy.config", "proxy.errors", "proxy.readyset",
-                      "proxy.stats", "proxy.tasks", "proxy.compat", "proxy.redisurl",
+                      "proxy.stats", "proxy.stopping", "proxy.compat", "proxy.redisurl",
                       "proxy.tally"),
     # display shows ops' views; the decisions read the spec
     "controlplane": (_CP + "servicespec", _CP + "ops", *CONTROLPLANE_MAY_IMPORT),

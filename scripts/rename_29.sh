@@ -51,6 +51,8 @@ step_tasks() {  # proxy/tasks.py (stopping tasks) vs reconcile/tasks.py (the lau
     mv_if tests/proxy/test_tasks.py tests/proxy/test_stopping.py
     sub '\bproxy([./])tasks\b' 'proxy${1}stopping'
     sub '\btests/proxy/test_tasks\b' 'tests/proxy/test_stopping'
+    sub '(?<=redisurl, )tasks {3}' 'stopping' proxy/__init__.py
+    sub '(?<=redisurl  )tasks {3}' 'stopping' docs/architecture.md
 }
 
 step_view() {  # ops' status struct ReplicaView -> ReplicaStatusView (proxy.interfaces keeps the Protocol)
