@@ -72,7 +72,7 @@ async def start_controller(
     await controllers.aclose()
 
 
-def live(view: ops.ServiceView) -> list[ops.ReplicaView]:
+def live(view: ops.ServiceView) -> list[ops.ReplicaStatusView]:
     return [r for r in view.replicas if r.status in LIVE]
 
 
