@@ -63,6 +63,9 @@ step_plan() {  # reconcile/plan.py (the plan) beside planner.py (its steps) -> s
     mv_if controlplane/reconcile/plan.py controlplane/reconcile/serviceplan.py
     sub '\bcontrolplane([./])reconcile([./])plan\b' 'controlplane${1}reconcile${2}serviceplan'
     sub '\breconcile/plan\.py\b' 'reconcile/serviceplan.py'
+    sub "one service's plan \\(\`plan\`\\)" "one service's plan (\`serviceplan\`)" controlplane/reconcile/__init__.py
+    sub 'controller: plan → planner → commit → tasks, autoscaling\)' \
+        'controller: serviceplan, planner, tasks, autoscaling)    ' docs/architecture.md
 }
 
 steps=("$@")

@@ -1,6 +1,6 @@
 """The controller: reconciles every service in Redis towards its spec.
 
-Owns: the reconcile loop (`loop.Controller`), one service's plan (`plan`) and
+Owns: the reconcile loop (`loop.Controller`), one service's plan (`serviceplan`) and
 the steps that make it (`planner`), the launch and termination tasks (`tasks`),
 the per-service autoscalers (`autoscaling`), the controller's config (`config`),
 and the leader lease around it (`leader.run_controller`). What it may import:

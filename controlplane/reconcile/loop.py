@@ -32,8 +32,8 @@ from controlplane.reconcile.config import ControllerConfig, ReadinessProber, def
 from controlplane.reconcile.drain import read_reports
 from controlplane.reconcile.engines import scrape_targets
 from controlplane.reconcile.journal import Journal
-from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.planner import Planner
+from controlplane.reconcile.serviceplan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceState
 from controlplane.servicespec import ServiceSpec

@@ -63,7 +63,7 @@ from controlplane.prober import ProbeResult
 from controlplane.reconcile.autoscaling import AutoscalerRegistry, ScaleStep
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber
 from controlplane.reconcile.drain import POLL_SECONDS, SETTLE_SECONDS, DrainReports, DrainWatch
-from controlplane.reconcile.plan import PlanInputs, ServicePlan
+from controlplane.reconcile.serviceplan import PlanInputs, ServicePlan
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import ReplicaRecord
 from controlplane.rollout import (
