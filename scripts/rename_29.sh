@@ -68,8 +68,15 @@ step_plan() {  # reconcile/plan.py (the plan) beside planner.py (its steps) -> s
         'controller: serviceplan, planner, tasks, autoscaling)    ' docs/architecture.md
 }
 
+step_scaling() {  # reconcile/autoscaling.py (the per-service state, signals I/O) vs autoscaler.py (the decisions)
+    mv_if controlplane/reconcile/autoscaling.py controlplane/reconcile/scalestate.py
+    sub '\breconcile([./])autoscaling\b' 'reconcile${1}scalestate'
+    sub '(?<=per-service autoscalers \(`)autoscaling(?=`\))' 'scalestate' controlplane/reconcile/__init__.py
+    sub '(?<=planner, tasks, )autoscaling\)    ' 'scalestate)     ' docs/architecture.md
+}
+
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(spec rules subscriber tasks view plan)
+[ ${#steps[@]} -gt 0 ] || steps=(spec rules subscriber tasks view plan scaling)
 for s in "${steps[@]}"; do "step_$s"; done
 # a renamed module can move in its import block: re-sort the files changed here
 git diff --name-only -z HEAD -- '*.py' | xargs -0 -r ruff check --select I --fix --quiet

@@ -20,7 +20,12 @@ from collections.abc import Callable, Mapping
 from controlplane.backends.base import ClusterBackend, ReplicaBackend
 from controlplane.engines.scraper import EngineScraper
 from controlplane.prober import Prober
-from controlplane.reconcile.autoscaling import (
+from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
+from controlplane.reconcile.drain import read_reports
+from controlplane.reconcile.engines import scrape_targets
+from controlplane.reconcile.journal import Journal
+from controlplane.reconcile.planner import Planner
+from controlplane.reconcile.scalestate import (
     AutoscalerRegistry,
     ScaleSignals,
     ScaleStep,
@@ -28,11 +33,6 @@ from controlplane.reconcile.autoscaling import (
     read_signals,
     write_step,
 )
-from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
-from controlplane.reconcile.drain import read_reports
-from controlplane.reconcile.engines import scrape_targets
-from controlplane.reconcile.journal import Journal
-from controlplane.reconcile.planner import Planner
 from controlplane.reconcile.serviceplan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceState

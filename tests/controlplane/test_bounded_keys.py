@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from controlplane import ops
 from controlplane.autoscaler import QPS_WINDOW_SECONDS
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.reconcile.autoscaling import MAX_PENDING_DEMAND
+from controlplane.reconcile.scalestate import MAX_PENDING_DEMAND
 from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 
