@@ -23,7 +23,12 @@ sub() {
 }
 
 step_spec() {  # controlplane/spec/ -> controlplane/servicespec/ (tools read spec/ as a test folder)
-    mv_if controlplane/spec controlplane/servicespec
+    # file by file: after a merge both folders can exist (a `git mv` of the folder
+    # would then nest spec/ inside servicespec/)
+    git ls-files -z controlplane/spec | while IFS= read -r -d '' f; do
+        mv_if "$f" "controlplane/servicespec/${f#controlplane/spec/}"
+    done
+    rmdir controlplane/spec 2>/dev/null || true
     sub '\bcontrolplane([./])spec\b' 'controlplane${1}servicespec'
     sub '\bfrom (\.+)spec\b' 'from ${1}servicespec' controlplane
     sub '_CP \+ "spec"' '_CP + "servicespec"' scripts/import_graph.py
