@@ -201,9 +201,9 @@ class Controller:
             fence = self._store.fence
             # Ours, or free again (it may expire while we shut down): take it for the
             # deletes below. Another's: its holder leads the fleet now.
-            if fence is not None and not await self._store.acquire_lease(
+            if fence is not None and not await self._store.lease(
                 fence, self.config.lease_ttl
-            ):
+            ).acquire():
                 log.warning("controller %s: not the leader any more; leaving the replicas", fence)
                 return
             for name in await self._store.services():

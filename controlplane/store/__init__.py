@@ -1,6 +1,6 @@
 """The only control-plane code that reads or writes sluice's Redis keys (the keys are
-named once, in proxy/wire/keys.py; the leader lease's scripts are in
-controlplane/lease.py, which the store uses).
+named once, in proxy/wire/keys.py; the leader lease is one object,
+`controlplane.lease.Lease`, which `Store.lease(holder, ttl)` makes).
 
     facade.py     `Store`: the one object callers use; thin, delegating to:
     codec.py      records as hashes and JSON; `same_ready_set` (does a commit publish?)

@@ -33,7 +33,7 @@ import controlplane.store.engines as engines
 import controlplane.store.pubsub as pubsub
 import controlplane.store.telemetry as telemetry
 from controlplane.errors import redis_errors
-from controlplane.lease import LeaseScripts
+from controlplane.lease import Lease
 from controlplane.records import (
     AutoscalerStatus,
     Event,
@@ -84,7 +84,6 @@ class Store:
         self._transactions = Transactions(
             client, self.keys, clock, max_attempts=max_commit_attempts, fence=fence
         )
-        self._lease = LeaseScripts(client)
 
     @classmethod
     def from_url(
@@ -338,22 +337,15 @@ class Store:
 
     # -- the leader lease (controlplane/lease.py) ---------------------------------------------
 
-    async def acquire_lease(self, holder: str, ttl: float) -> bool:
-        """Take the controller leader lease for `ttl` seconds if free, or extend it if
-        `holder` already has it. True when `holder` holds it afterwards."""
-        return await self._lease.acquire(self.keys.leader, holder, ttl)
-
-    async def renew_lease(self, holder: str, ttl: float) -> bool:
-        """Extend the lease to `ttl` seconds from now, only if `holder` holds it."""
-        return await self._lease.renew(self.keys.leader, holder, ttl)
-
-    async def release_lease(self, holder: str) -> bool:
-        """Give the lease up, only if `holder` holds it. True if it was released."""
-        return await self._lease.release(self.keys.leader, holder)
+    def lease(self, holder: str, ttl: float) -> Lease:
+        """The controller leader lease as `holder` takes it for `ttl` seconds."""
+        return Lease(self._redis, self.keys.leader, holder, ttl)
 
     async def lease_holder(self) -> str | None:
         """Who holds the leader lease now, or None."""
-        return await self._lease.holder(self.keys.leader)
+        with redis_errors():
+            raw = await self._redis.get(self.keys.leader)
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
     # -- pub/sub (pubsub.py) -----------------------------------------------------------------
 
