@@ -7,7 +7,7 @@ named once, in proxy/wire/keys.py; the leader lease is one object,
     commit.py     the WATCH/MULTI/EXEC transaction: commit, commit_with, register and
                   unregister; op-id idempotency; the fencing check
     telemetry.py  events, request rates, in-flight counts, proxy heartbeats, autoscaler
-    pubsub.py     following snapshots, the control channel (nudges)
+    pubsub.py     the control channel (nudges); `Store.follow_snapshots` is in facade.py
 
 Callers import from here: `from controlplane.store import Store, Mutation, StoreError`.
 The errors are defined in controlplane/errors.py (shared with the lease) and re-exported.

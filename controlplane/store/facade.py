@@ -32,7 +32,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 import controlplane.store.engines as engines
 import controlplane.store.pubsub as pubsub
 import controlplane.store.telemetry as telemetry
-from controlplane.errors import redis_errors
+from controlplane.errors import StoreUnavailable, redis_errors
 from controlplane.lease import Lease
 from controlplane.records import (
     AutoscalerStatus,
@@ -46,6 +46,7 @@ from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.engines import EngineView
+from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
@@ -349,7 +350,7 @@ class Store:
 
     # -- pub/sub (pubsub.py) -----------------------------------------------------------------
 
-    def follow_snapshots(
+    async def follow_snapshots(
         self, name: str, *, resync_interval: float = 5.0, subscribe_timeout: float = 5.0
     ) -> AsyncGenerator[ReadySnapshot, None]:
         """Yield the current snapshot of `name` (if any), then each newer one as committed.
@@ -360,13 +361,16 @@ class Store:
         not decode is skipped. Runs until the consumer stops iterating; raises
         StoreUnavailable when Redis cannot be reached or the connection drops.
         """
-        return pubsub.follow_snapshots(
-            self._redis,
-            self.keys,
-            name,
-            resync_interval=resync_interval,
-            subscribe_timeout=subscribe_timeout,
-        )
+        stream = newer_snapshots(self._redis, self.keys, name, resync_interval=resync_interval,
+                                 subscribe_timeout=subscribe_timeout)  # fmt: skip
+        try:
+            with redis_errors():
+                async for snapshot in stream:
+                    yield snapshot
+        except NoSubscribeConfirmation as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        finally:
+            await stream.aclose()
 
     async def subscribe_control(self) -> ControlSubscription:
         """Subscribe to the control channel (nudges); the caller closes the subscription."""
