@@ -206,15 +206,14 @@ class Store:
         service_record: ServiceRecord | None = None,
         force: bool = False,
     ) -> ReadySnapshot:
-        """Atomically write replica records and the service record, and publish the ready set.
+        """Atomically write replica records and the service record, and publish the ready set
+        (the transaction is controlplane/store/commit.py's).
 
         `replica_updates` are written whole (upsert by id); `replica_deletes` are
         removed; `service_record`, if given, replaces the stored one (its
-        `active_versions` is recomputed). In the same MULTI/EXEC the snapshot is
-        recomputed from the resulting table; if it routes differently from the
-        stored one (or `force`), the generation is INCRed and the snapshot SET and
-        PUBLISHed. Otherwise only the records are written and the stored snapshot
-        is returned: probe counters and the like do not churn generations.
+        `active_versions` is recomputed). A new generation only when the ready set
+        routes differently (or `force`): probe counters and the like do not churn
+        generations.
 
         Returns the snapshot in force after the commit. Raises ServiceNotFound if
         the service is not registered, ValueError on contradictory arguments,
