@@ -37,7 +37,7 @@ from controlplane.dashboard.poller import Poller  # noqa: E402
 from controlplane.dashboard.server import make_app  # noqa: E402
 from controlplane.records import ReplicaRecord, ServiceRecord, ServiceStatus  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
-from controlplane.spec import parse_spec  # noqa: E402
+from controlplane.servicespec import parse_spec  # noqa: E402
 from controlplane.states import ReplicaStatus  # noqa: E402
 from controlplane.store import Store  # noqa: E402
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat  # noqa: E402

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from controlplane import ops  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
-from controlplane.spec import ServiceSpec, parse_spec  # noqa: E402
+from controlplane.servicespec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 

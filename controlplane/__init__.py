@@ -4,7 +4,7 @@ Python 3.11+.
 Owns everything but the request path, layered so imports go one way (bottom first):
 
     states, errors, statedir, processes       leaves (only proxy.wire, proxy.redisurl)
-    records, spec/                            what is stored and what the user writes
+    records, servicespec/                     what is stored and what the user writes
     lease, store/                             the only Redis readers/writers
     prober, lifecycle, rollout, autoscaler    decisions, pure but for the prober's HTTP
     backends/                                 how replicas run (local, external, skypilot)

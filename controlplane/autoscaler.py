@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from controlplane.spec import ReplicaPolicy
+from controlplane.servicespec import ReplicaPolicy
 
 QPS_WINDOW_SECONDS = 60
 DECISION_INTERVAL_SECONDS = 20.0

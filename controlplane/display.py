@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from controlplane.ops import ReplicaView, ServiceView
+from controlplane.ops import ReplicaStatusView, ServiceView
 from controlplane.store.untrusted import printable
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import ReadySnapshot
@@ -108,7 +108,7 @@ def _engine_cells(e: EngineStats | None) -> list[str]:
     return [e.engine, num(e.running), num(e.waiting), kv, ttft]
 
 
-def _replica_row(service: str, r: ReplicaView, now: float, verbose: bool = False,
+def _replica_row(service: str, r: ReplicaStatusView, now: float, verbose: bool = False,
                  engine: EngineStats | None = None) -> list[str]:  # fmt: skip
     row = [
         service,
@@ -235,7 +235,7 @@ _EXPLAINED = ("NOT_READY", "PREEMPTED", "FAILED", "FAILED_INITIAL_DELAY", "FAILE
               "FAILED_PROVISION", "FAILED_CLEANUP")
 
 
-def replica_change(r: ReplicaView) -> str:
+def replica_change(r: ReplicaStatusView) -> str:
     """`replica 2 (version 1, http://127.0.0.1:4100): FAILED: process exited with code 3
     (log: /path/replica-2.log)`: a replica's new state, why, and its log."""
     line = f"replica {r.id} (version {r.version}, {r.url or 'no url yet'}): {r.status}"

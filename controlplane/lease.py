@@ -8,11 +8,11 @@ Fencing: a store built with `fence=HOLDER` refuses to commit unless the lease ho
 HOLDER (checked inside the commit's transaction, controlplane/store/commit.py), raising
 LeaseLost.
 
-    acquire(store, holder, ttl)        wait until the lease is ours
-    lead(store, holder, ttl, run)      run `run()` while renewing; return when it is lost
+    Lease(redis, key, holder, ttl)     the lease as one holder takes it (`Store.lease`)
+    acquire(lease)                     wait until the lease is ours
+    lead(lease, run)                   run `run()` while renewing; return when it is lost
 
-Imports only controlplane.errors (and redis-py): the store builds its lease methods on
-`LeaseScripts`, and `acquire`/`lead` reach Redis through those methods (`LeaseStore`).
+Imports only controlplane.errors (and redis-py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -72,42 +72,48 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class LeaseScripts:
-    """The lease operations on one client (the scripts registered once, no I/O yet).
+class Lease:
+    """The leader lease at `key`, as `holder` takes it for `ttl` seconds: one object in
+    the style of redis-py's asyncio `Lock`, owning its scripts (registered here, no I/O
+    yet), its token (`holder`) and its TTL. `Store.lease(holder, ttl)` makes one on the
+    store's client and key.
 
-    Every method raises StoreUnavailable/StoreError (`redis_errors`), and ValueError for
-    a TTL that is not positive. `Store`'s lease methods are these, on its own key.
+    Every method raises StoreUnavailable/StoreError (`redis_errors`); `acquire` and
+    `extend` raise ValueError for a TTL that is not positive.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._redis = client
-        self._acquire = client.register_script(_ACQUIRE)
-        self._renew = client.register_script(_RENEW)
-        self._release = client.register_script(_RELEASE)
+    def __init__(self, redis: aioredis.Redis, key: str, holder: str, ttl: float) -> None:
+        self.redis = redis
+        self.key = key
+        self.holder = holder
+        self.ttl = ttl
+        self._acquire = redis.register_script(_ACQUIRE)
+        self._extend = redis.register_script(_RENEW)
+        self._release = redis.register_script(_RELEASE)
 
-    async def acquire(self, key: str, holder: str, ttl: float) -> bool:
-        """Take the lease at `key` for `ttl` seconds if free, or extend it if `holder`
-        already has it. True when `holder` holds it afterwards."""
+    async def acquire(self) -> bool:
+        """Take the lease for `ttl` seconds if free, or extend it if `holder` already has
+        it. True when `holder` holds it afterwards."""
         with redis_errors():
-            got = await self._acquire(keys=[key], args=[holder, _ms(ttl)])
+            got = await self._acquire(keys=[self.key], args=[self.holder, _ms(self.ttl)])
         return bool(got)
 
-    async def renew(self, key: str, holder: str, ttl: float) -> bool:
+    async def extend(self) -> bool:
         """Extend the lease to `ttl` seconds from now, only if `holder` holds it."""
         with redis_errors():
-            got = await self._renew(keys=[key], args=[holder, _ms(ttl)])
+            got = await self._extend(keys=[self.key], args=[self.holder, _ms(self.ttl)])
         return bool(got)
 
-    async def release(self, key: str, holder: str) -> bool:
+    async def release(self) -> bool:
         """Give the lease up, only if `holder` holds it. True if it was released."""
         with redis_errors():
-            got = await self._release(keys=[key], args=[holder])
+            got = await self._release(keys=[self.key], args=[self.holder])
         return bool(got)
 
-    async def holder(self, key: str) -> str | None:
-        """Who holds the lease now, or None."""
+    async def owner(self) -> str | None:
+        """Who holds the lease now (maybe not `holder`), or None."""
         with redis_errors():
-            raw = await self._redis.get(key)
+            raw = await self.redis.get(self.key)
         return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
@@ -130,53 +136,38 @@ def unique_holder(name: str | None) -> str:
 # -- the leader's loop -------------------------------------------------------------------------
 
 
-class LeaseStore(Protocol):
-    """What `acquire` and `lead` need of a store (`controlplane.store.Store` is one)."""
-
-    async def acquire_lease(self, holder: str, ttl: float) -> bool: ...
-
-    async def renew_lease(self, holder: str, ttl: float) -> bool: ...
-
-    async def lease_holder(self) -> str | None: ...
-
-
-async def acquire(store: LeaseStore, holder: str, ttl: float) -> None:
-    """Wait until `holder` holds the lease, trying every third of the TTL.
+async def acquire(lease: Lease) -> None:
+    """Wait until `lease.holder` holds the lease, trying every third of the TTL.
 
     Says once who holds it meanwhile; a Redis failure is logged and tried again.
     """
     said = False
     while True:
         try:
-            if await store.acquire_lease(holder, ttl):
+            if await lease.acquire():
                 return
             if not said:
-                log.info("controller %s: standing by (the lease is %s's)", holder,
-                         await store.lease_holder())  # fmt: skip
+                log.info("controller %s: standing by (the lease is %s's)", lease.holder,
+                         await lease.owner())  # fmt: skip
                 said = True
         except StoreError as exc:
-            log.warning("controller %s: lease: %s", holder, exc)
-        await asyncio.sleep(ttl / 3)
+            log.warning("controller %s: lease: %s", lease.holder, exc)
+        await asyncio.sleep(lease.ttl / 3)
 
 
-async def renew(store: LeaseStore, holder: str, ttl: float) -> bool | None:
+async def renew(lease: Lease) -> bool | None:
     """Renew the lease: True if renewed, False if someone else holds it (or it expired),
     None if Redis did not answer within a third of the TTL."""
     try:
-        async with asyncio.timeout(ttl / 3):
-            return await store.renew_lease(holder, ttl)
+        async with asyncio.timeout(lease.ttl / 3):
+            return await lease.extend()
     except (StoreError, TimeoutError) as exc:
-        log.warning("controller %s: renewing the lease: %s", holder,
+        log.warning("controller %s: renewing the lease: %s", lease.holder,
                     str(exc) or type(exc).__name__)  # fmt: skip
         return None
 
 
-async def lead(
-    store: LeaseStore,
-    holder: str,
-    ttl: float,
-    run: Callable[[], Coroutine[Any, Any, None]],
-) -> None:
+async def lead(lease: Lease, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run `run()` (in a task) while renewing the lease every third of the TTL; return
     when the lease is lost, `run()` having been cancelled and awaited.
 
@@ -190,7 +181,7 @@ async def lead(
     """
     runner = asyncio.create_task(run(), name="controller")
     try:
-        await _renew_while_running(store, holder, ttl, runner)
+        await _renew_while_running(lease, runner)
     finally:
         runner.cancel()
         # asyncio.wait (not `await runner` under suppress): a cancellation of *this*
@@ -199,20 +190,19 @@ async def lead(
         await asyncio.wait({runner})
         failure = None if runner.cancelled() else runner.exception()
         if failure is not None and not isinstance(failure, LeaseLost):
-            log.error("controller %s: run() failed", holder, exc_info=runner.exception())
+            log.error("controller %s: run() failed", lease.holder, exc_info=runner.exception())
 
 
-async def _renew_while_running(
-    store: LeaseStore, holder: str, ttl: float, runner: asyncio.Task[None]
-) -> None:
+async def _renew_while_running(lease: Lease, runner: asyncio.Task[None]) -> None:
     """`lead`'s loop: returns when the lease is lost or `runner` ended with LeaseLost."""
+    ttl = lease.ttl
     last_renewed = time.monotonic()
     while True:
         done: set[asyncio.Task[Any]]
         done, _ = await asyncio.wait({runner}, timeout=ttl / 3)
         renewal: asyncio.Task[bool | None] | None = None
         if not done:
-            renewal = asyncio.create_task(renew(store, holder, ttl))
+            renewal = asyncio.create_task(renew(lease))
             try:
                 done, _ = await asyncio.wait({runner, renewal}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -221,7 +211,7 @@ async def _renew_while_running(
         if runner in done or renewal is None:
             with contextlib.suppress(LeaseLost):
                 runner.result()  # run() only ends by raising
-            log.warning("controller %s: %s", holder, runner.exception())
+            log.warning("controller %s: %s", lease.holder, runner.exception())
             return  # a commit was refused: the lease is someone else's
         renewed = renewal.result()
         if renewed is False:

@@ -37,7 +37,7 @@ import msgspec
 
 from controlplane.prober import ProbeResult
 from controlplane.records import Handle, ReplicaRecord
-from controlplane.spec import ReadinessProbe
+from controlplane.servicespec import ReadinessProbe
 from controlplane.states import PROBED, EventKind, ReplicaStatus
 
 _replace = msgspec.structs.replace

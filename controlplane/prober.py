@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from controlplane.records import ReplicaRecord
-from controlplane.spec import ReadinessProbe
+from controlplane.servicespec import ReadinessProbe
 from controlplane.states import PROBED
 
 log = logging.getLogger("sluice.prober")

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from controlplane.records import ReplicaRecord, ServiceRecord, compute_active_versions
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import (
     LIVE,
     STARTING_UP,

@@ -77,7 +77,7 @@ from controlplane import ops  # noqa: E402
 from controlplane.processes import die_with_parent_hook, free_port, running, signal_group  # noqa: E402
 from controlplane.records import UpdateMode  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
-from controlplane.spec import ServiceSpec, parse_spec  # noqa: E402
+from controlplane.servicespec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402
 from loadtests.streams import LongStreams, describe  # noqa: E402
 

@@ -6,7 +6,7 @@ Owns, layered so imports go one way (bottom first):
     compat, errors, http, interfaces, waiters, stats, config     leaves
     replica, policies, prefix, readyset                         the ready set and routing
     upstream, pool, exchange, continuation, resume, server      the request path
-    sources/, redisurl, tasks                                   where ready sets come from
+    sources/, redisurl, stopping                                where ready sets come from
     admin, metrics, app, runner, cli, skyserve                  the process around it
 
 Never imports `controlplane` (`python scripts/import_graph.py` checks it), so it runs

@@ -15,7 +15,7 @@ tested in tests/proxy/test_shutdown.py:
 Every step after the drain is bounded (CLOSE_BOUND seconds in all), whatever
 state the replicas, Redis or the Sky Serve controller are in: a SIGTERM ends the
 process within `shutdown_grace + CLOSE_BOUND`. Background tasks are stopped
-with proxy.tasks.stop_tasks, since one cancel does not always stop a loop that
+with proxy.stopping.stop_tasks, since one cancel does not always stop a loop that
 runs library code.
 """
 
@@ -39,7 +39,7 @@ from proxy.server import ClientConnection, ServerContext
 from proxy.sources import Source, make_source
 from proxy.sources import describe as describe_source
 from proxy.stats import Stats
-from proxy.tasks import bounded, stop_tasks
+from proxy.stopping import bounded, stop_tasks
 
 log = logging.getLogger("sluice.proxy")
 

@@ -147,23 +147,23 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "proxy": ("proxy.wire", "proxy.sources"),
     # never the app, the runner or the CLI
     "proxy.sources": ("proxy.wire", "proxy.config", "proxy.errors", "proxy.readyset",
-                      "proxy.stats", "proxy.tasks", "proxy.compat", "proxy.redisurl",
+                      "proxy.stats", "proxy.stopping", "proxy.compat", "proxy.redisurl",
                       "proxy.tally"),
     # display shows ops' views and escapes what Redis holds; the decisions read the spec
-    "controlplane": (_CP + "spec", _CP + "ops", _CP + "store.untrusted",
+    "controlplane": (_CP + "servicespec", _CP + "ops", _CP + "store.untrusted",
                      *CONTROLPLANE_MAY_IMPORT),
     # the wire contract only (policy names, PrefixOptions); nothing else of controlplane
-    "controlplane.spec": ("proxy.wire",),
+    "controlplane.servicespec": ("proxy.wire",),
     # nothing in the control plane above it (reconcile, ops, cli)
     "controlplane.store": (_CP + "errors", _CP + "records", _CP + "states", _CP + "lease",
                            "proxy.wire", "proxy.redisurl"),
     # never the store (backends do not touch Redis) nor the controller
-    "controlplane.backends": (_CP + "records", _CP + "spec", _CP + "statedir",
+    "controlplane.backends": (_CP + "records", _CP + "servicespec", _CP + "statedir",
                               _CP + "processes", "proxy.wire"),
-    "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+    "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                          _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                          _CP + "backends", "proxy.wire"),
-    "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "spec",
+    "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                                _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                                _CP + "prober", _CP + "lease", _CP + "processes",
                                _CP + "backends", _CP + "engines", "proxy.wire"),
@@ -174,7 +174,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # `sluice run`: everything but the CLI
     "controlplane.run": (_CP + "ops", _CP + "store", _CP + "backends", _CP + "reconcile",
                          _CP + "display", _CP + "redisserver", _CP + "statedir",
-                         _CP + "processes", _CP + "records", _CP + "states", _CP + "spec",
+                         _CP + "processes", _CP + "records", _CP + "states", _CP + "servicespec",
                          "proxy.wire"),
     # all of controlplane; nothing in controlplane imports it
     "controlplane.cli": ("controlplane", "proxy.cli", "proxy.wire"),

@@ -49,14 +49,15 @@ def test_each_package_imports_only_what_its_rule_allows(tmp_path: Path) -> None:
     """The per-package rules (`MAY_IMPORT` in the script): a backend importing the store,
     the spec importing the records, and a package with no rule are breaches."""
     for pkg in ("proxy", "proxy/wire", "controlplane", "controlplane/backends",
-                "controlplane/store", "controlplane/spec", "controlplane/newpkg"):  # fmt: skip
+                "controlplane/store", "controlplane/servicespec",
+                "controlplane/newpkg"):  # fmt: skip
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
     (tmp_path / "controlplane" / "records.py").write_text("")
     (tmp_path / "controlplane" / "store" / "facade.py").write_text("")
     (tmp_path / "controlplane" / "backends" / "local.py").write_text(
         "from controlplane.records import X\nfrom controlplane.store import facade\n")
-    (tmp_path / "controlplane" / "spec" / "schema.py").write_text(
+    (tmp_path / "controlplane" / "servicespec" / "schema.py").write_text(
         "import controlplane.records\nfrom proxy.wire import Y\n")
     (tmp_path / "controlplane" / "newpkg" / "m.py").write_text("import controlplane.records\n")
     result = graph("--root", str(tmp_path))
@@ -64,7 +65,7 @@ def test_each_package_imports_only_what_its_rule_allows(tmp_path: Path) -> None:
     assert "layering breaches: 3\n" in result.stdout, result.stdout
     assert ("controlplane.backends.local -> controlplane.store.facade: controlplane.backends "
             "may import only") in result.stdout
-    assert "controlplane.spec.schema -> controlplane.records: controlplane.spec may import only " \
-           "proxy.wire\n" in result.stdout
+    assert ("controlplane.servicespec.schema -> controlplane.records: "
+            "controlplane.servicespec may import only proxy.wire\n") in result.stdout
     assert ("controlplane.newpkg.m -> controlplane.records: package controlplane.newpkg has no "
             "MAY_IMPORT rule") in result.stdout

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from controlplane.records import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from proxy.wire.errors import SluiceError
 
 

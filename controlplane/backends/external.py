@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.records import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 
 
 class ExternalBackend:

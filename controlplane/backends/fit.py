@@ -1,6 +1,6 @@
 """Which backend can run a spec: the checks that depend on where replicas run.
 
-A spec SkyPilot accepts is a valid sluice spec (`controlplane.spec` follows SkyPilot's
+A spec SkyPilot accepts is a valid sluice spec (`controlplane.servicespec` follows SkyPilot's
 schema and Sky Serve's rules); some of those only one backend can run. `check_backend`
 refuses them for the backend that cannot, in one line naming the field and the
 backend that can:
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from controlplane.backends.base import BackendError
 from controlplane.backends.fixedport import check_fixed_port
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 
 BACKENDS = ("local", "skypilot")
 

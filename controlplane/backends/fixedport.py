@@ -18,7 +18,7 @@ import re
 import socket
 
 from controlplane.backends.base import BackendError
-from controlplane.spec import ServiceSpec, fill_in_env_vars, is_count_only_change
+from controlplane.servicespec import ServiceSpec, fill_in_env_vars, is_count_only_change
 
 _USES_PORT = re.compile(r"\$\{?PORT\b")
 

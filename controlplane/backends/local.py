@@ -51,7 +51,7 @@ from controlplane.backends.base import Launched, LaunchFailed, TaskFailed
 from controlplane.backends.fixedport import bindable, fixed_port
 from controlplane.backends.localproc import POLL, describe_status, handle_pid
 from controlplane.records import Handle, InvalidServiceName, check_service_name
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.statedir import (
     FILE_MODE,
     StateDir,

@@ -64,7 +64,7 @@ from controlplane.backends.skypilot_task import (
     task_config,
 )
 from controlplane.records import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 
 log = logging.getLogger("sluice.backend.skypilot")
 

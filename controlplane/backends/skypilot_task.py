@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from controlplane.records import Handle
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 
 #: SkyPilot's cluster-name rule (sky.skylet.constants.CLUSTER_NAME_VALID_REGEX).
 CLUSTER_NAME_RE = re.compile(r"[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?")

@@ -24,7 +24,7 @@ import click
 
 from controlplane.records import SERVICE_NAME_MAX, check_service_name
 from controlplane.run import RunConfig, read_run_info, run_redis_url
-from controlplane.spec import ServiceSpec, SpecError, load_spec
+from controlplane.servicespec import ServiceSpec, SpecError, load_spec
 from controlplane.statedir import DEFAULT_STATE_DIR, redact_url
 from controlplane.store import Store, StoreUnavailable
 from proxy.cli import check_redis_url

@@ -12,7 +12,7 @@ import msgspec
 import yaml
 
 from controlplane.backends.fixedport import fixed_port
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 
 REDACTED = "<redacted>"
 

@@ -28,7 +28,7 @@ from controlplane.ops.errors import (
 from controlplane.ops.views import (
     LagLimits,
     ProxyView,
-    ReplicaView,
+    ReplicaStatusView,
     ServiceView,
     status,
     wait_for,
@@ -41,7 +41,7 @@ __all__ = [
     "ReplicaBusy",
     "ReplicaExists",
     "ReplicaNotFound",
-    "ReplicaView",
+    "ReplicaStatusView",
     "ServiceShuttingDown",
     "ServiceView",
     "add_replica",

@@ -18,7 +18,7 @@ from controlplane import lifecycle
 from controlplane.backends.fit import check_backend
 from controlplane.ops.errors import ReplicaBusy, ReplicaExists, ReplicaNotFound, ServiceShuttingDown
 from controlplane.records import ReplicaRecord, ServiceRecord, check_service_name
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import (
     FAILED_REPLICA_STATUSES,
     GONE,

@@ -1,4 +1,4 @@
-"""What `sluice status` shows: `ServiceView` (with its `ReplicaView`s and
+"""What `sluice status` shows: `ServiceView` (with its `ReplicaStatusView`s and
 `ProxyView`s), built from one consistent read of the service (`status`), and
 `wait_for`, which polls it until a condition holds. Read-only: nothing here writes.
 """
@@ -17,13 +17,13 @@ from controlplane.autoscaler import Autoscaler
 from controlplane.backends.skypilot_task import infra_text, resources_text
 from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
 from controlplane.rollout import given_up_by, ready_version
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import GONE, EventKind, ReplicaStatus
 from controlplane.store import ServiceNotFound, Store
 from proxy.wire.engines import EngineStats
 
 
-class ReplicaView(msgspec.Struct, frozen=True, kw_only=True):
+class ReplicaStatusView(msgspec.Struct, frozen=True, kw_only=True):
     """One replica as `sluice status` shows it."""
 
     id: int
@@ -96,7 +96,7 @@ class ServiceView(msgspec.Struct, frozen=True, kw_only=True):
     ready: int
     total: int
     generation: int
-    replicas: list[ReplicaView]
+    replicas: list[ReplicaStatusView]
     last_failure: str | None = None
     launch_blocked: str | None = None
     # The replica policy in words (`Autoscaler.describe()`), the replicas the
@@ -293,9 +293,9 @@ async def _draining(store: Store, name: str, replicas: list[ReplicaRecord]) -> d
 
 def _replica_view(
     r: ReplicaRecord, reason: str | None = None, draining: dict[int, int] | None = None
-) -> ReplicaView:
+) -> ReplicaStatusView:
     inflight = (draining or {}).get(r.id)
-    return ReplicaView(
+    return ReplicaStatusView(
         draining_since=r.status_since if inflight is not None else None,
         inflight=inflight,
         id=r.id,

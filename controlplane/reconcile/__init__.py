@@ -1,8 +1,8 @@
 """The controller: reconciles every service in Redis towards its spec.
 
-Owns: the reconcile loop (`loop.Controller`), one service's plan (`plan`) and
+Owns: the reconcile loop (`loop.Controller`), one service's plan (`serviceplan`) and
 the steps that make it (`planner`), the launch and termination tasks (`tasks`),
-the per-service autoscalers (`autoscaling`), the controller's config (`config`),
+the per-service autoscalers (`scalestate`), the controller's config (`config`),
 and the leader lease around it (`leader.run_controller`). What it may import:
 `MAY_IMPORT` in scripts/import_graph.py (tests/test_layout.py runs it); nothing in
 controlplane imports it but the CLI and `sluice run` (controlplane/run).
@@ -24,10 +24,10 @@ read. Side effects (launches, terminations, events, the autoscaler's decision)
 happen only after the commit.
 """
 
-from controlplane.reconcile.autoscaling import AutoscalerRegistry
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
 from controlplane.reconcile.leader import run_controller
 from controlplane.reconcile.loop import Controller
+from controlplane.reconcile.scalestate import AutoscalerRegistry
 
 __all__ = [
     "AutoscalerRegistry",

@@ -21,7 +21,7 @@ from controlplane.backends.external import ExternalBackend
 from controlplane.backends.local import LocalBackend
 from controlplane.prober import ProbeResult
 from controlplane.records import ReplicaRecord
-from controlplane.spec import ReadinessProbe
+from controlplane.servicespec import ReadinessProbe
 from proxy.wire.keys import DEFAULT_PREFIX
 
 

@@ -8,8 +8,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from controlplane.engines.scraper import ScrapeTarget
 from controlplane.records import ReplicaRecord
-from controlplane.spec import ServiceSpec
-from controlplane.spec.engines import EngineMetrics
+from controlplane.servicespec import ServiceSpec
+from controlplane.servicespec.engines import EngineMetrics
 from controlplane.states import ReplicaStatus
 
 _DEFAULT = EngineMetrics()

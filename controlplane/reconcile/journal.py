@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from controlplane.reconcile.plan import ServicePlan
+from controlplane.reconcile.serviceplan import ServicePlan
 from controlplane.states import EventKind
 
 log = logging.getLogger("sluice.controller")

@@ -40,9 +40,10 @@ async def run_controller(
     store = Store.from_url(
         config.redis_url, prefix=config.prefix, ca_file=config.redis_ca_file, fence=holder
     )
+    leader = store.lease(holder, config.lease_ttl)
     try:
         while True:
-            await lease.acquire(store, holder, config.lease_ttl)
+            await lease.acquire(leader)
             log.info("controller %s: leading", holder)
             controller = Controller(store, config, backends=backends)
             stepping_down = False
@@ -50,12 +51,12 @@ async def run_controller(
                 await controller.start()
                 if started is not None:
                     started.set()
-                await lease.lead(store, holder, config.lease_ttl, controller.run)
+                await lease.lead(leader, controller.run)
                 stepping_down = True  # lead returns only when the lease is lost
             finally:
                 await controller.aclose(stepping_down=stepping_down)
             log.warning("controller %s: lost the lease; standing by", holder)
     finally:
         with contextlib.suppress(StoreError):
-            await store.release_lease(holder)
+            await leader.release()
         await store.aclose()

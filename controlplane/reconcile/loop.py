@@ -21,7 +21,12 @@ from collections.abc import Callable, Mapping
 from controlplane.backends.base import ClusterBackend, ReplicaBackend
 from controlplane.engines.scraper import EngineScraper
 from controlplane.prober import Prober
-from controlplane.reconcile.autoscaling import (
+from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
+from controlplane.reconcile.drain import read_reports
+from controlplane.reconcile.engines import scrape_targets
+from controlplane.reconcile.journal import Journal
+from controlplane.reconcile.planner import Planner
+from controlplane.reconcile.scalestate import (
     AutoscalerRegistry,
     ScaleSignals,
     ScaleStep,
@@ -29,15 +34,10 @@ from controlplane.reconcile.autoscaling import (
     read_signals,
     write_step,
 )
-from controlplane.reconcile.config import ControllerConfig, ReadinessProber, default_backends
-from controlplane.reconcile.drain import read_reports
-from controlplane.reconcile.engines import scrape_targets
-from controlplane.reconcile.journal import Journal
-from controlplane.reconcile.plan import PlanInputs, ServicePlan, Stale
-from controlplane.reconcile.planner import Planner
+from controlplane.reconcile.serviceplan import PlanInputs, ServicePlan, Stale
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceState
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import EventKind, ReplicaStatus, ServiceStatus
 from controlplane.store import LeaseLost, Store, StoreError, StoreUnavailable
 
@@ -202,9 +202,9 @@ class Controller:
             fence = self._store.fence
             # Ours, or free again (it may expire while we shut down): take it for the
             # deletes below. Another's: its holder leads the fleet now.
-            if fence is not None and not await self._store.acquire_lease(
+            if fence is not None and not await self._store.lease(
                 fence, self.config.lease_ttl
-            ):
+            ).acquire():
                 log.warning("controller %s: not the leader any more; leaving the replicas", fence)
                 return
             for name in await self._store.services():

@@ -17,7 +17,7 @@ changed).
    every external replica, become the latest version. In the same commit the
    active versions are recomputed, so the ready set never passes through a
    state where nobody serves;
-5. scale and roll out: the service's autoscaler (`reconcile.autoscaling`) is
+5. scale and roll out: the service's autoscaler (`reconcile.scalestate`) is
    brought up to date (a decision when one is due, a reset after an update, a
    scale from zero on a proxy's "demand" nudge); launch latest-version replicas
    up to its target (split into spot and on-demand ones by
@@ -60,10 +60,10 @@ from controlplane import lifecycle
 from controlplane.autoscaler import fallback_plan
 from controlplane.backends.base import ClusterBackend, LaunchFailed, ReplicaBackend, TaskFailed
 from controlplane.prober import ProbeResult
-from controlplane.reconcile.autoscaling import AutoscalerRegistry, ScaleStep
 from controlplane.reconcile.config import ControllerConfig, ReadinessProber
 from controlplane.reconcile.drain import POLL_SECONDS, SETTLE_SECONDS, DrainReports, DrainWatch
-from controlplane.reconcile.plan import PlanInputs, ServicePlan
+from controlplane.reconcile.scalestate import AutoscalerRegistry, ScaleStep
+from controlplane.reconcile.serviceplan import PlanInputs, ServicePlan
 from controlplane.reconcile.tasks import TaskRegistry
 from controlplane.records import ReplicaRecord
 from controlplane.rollout import (
@@ -75,7 +75,7 @@ from controlplane.rollout import (
     service_status,
     target_replicas,
 )
-from controlplane.spec import ServiceSpec, is_count_only_change
+from controlplane.servicespec import ServiceSpec, is_count_only_change
 from controlplane.states import (
     FAILED_REPLICA_STATUSES,
     LIVE,

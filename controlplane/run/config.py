@@ -10,7 +10,7 @@ import msgspec
 
 from controlplane import processes
 from controlplane.reconcile import ControllerConfig
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.statedir import StateDir, read_secret, with_password, write_private
 from proxy.wire.errors import SluiceError
 from proxy.wire.keys import DEFAULT_PREFIX

@@ -32,8 +32,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 import controlplane.store.engines as engines
 import controlplane.store.pubsub as pubsub
 import controlplane.store.telemetry as telemetry
-from controlplane.errors import redis_errors
-from controlplane.lease import LeaseScripts
+from controlplane.errors import StoreUnavailable, redis_errors
+from controlplane.lease import Lease
 from controlplane.records import (
     AutoscalerStatus,
     Event,
@@ -53,6 +53,7 @@ from controlplane.store.untrusted import (
 )
 from proxy.redisurl import client_from_url, redis_tls_options
 from proxy.wire.engines import EngineView
+from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
@@ -91,7 +92,6 @@ class Store:
         self._transactions = Transactions(
             client, self.keys, clock, max_attempts=max_commit_attempts, fence=fence
         )
-        self._lease = LeaseScripts(client)
         self._bounded_read = client.register_script(BOUNDED_READ)
         self._enforce_bounds = client.register_script(ENFORCE_BOUNDS)
         #: What proxies wrote that was skipped, by (service, kind) (untrusted.py).
@@ -217,15 +217,14 @@ class Store:
         service_record: ServiceRecord | None = None,
         force: bool = False,
     ) -> ReadySnapshot:
-        """Atomically write replica records and the service record, and publish the ready set.
+        """Atomically write replica records and the service record, and publish the ready set
+        (the transaction is controlplane/store/commit.py's).
 
         `replica_updates` are written whole (upsert by id); `replica_deletes` are
         removed; `service_record`, if given, replaces the stored one (its
-        `active_versions` is recomputed). In the same MULTI/EXEC the snapshot is
-        recomputed from the resulting table; if it routes differently from the
-        stored one (or `force`), the generation is INCRed and the snapshot SET and
-        PUBLISHed. Otherwise only the records are written and the stored snapshot
-        is returned: probe counters and the like do not churn generations.
+        `active_versions` is recomputed). A new generation only when the ready set
+        routes differently (or `force`): probe counters and the like do not churn
+        generations.
 
         Returns the snapshot in force after the commit. Raises ServiceNotFound if
         the service is not registered, ValueError on contradictory arguments,
@@ -375,26 +374,19 @@ class Store:
 
     # -- the leader lease (controlplane/lease.py) ---------------------------------------------
 
-    async def acquire_lease(self, holder: str, ttl: float) -> bool:
-        """Take the controller leader lease for `ttl` seconds if free, or extend it if
-        `holder` already has it. True when `holder` holds it afterwards."""
-        return await self._lease.acquire(self.keys.leader, holder, ttl)
-
-    async def renew_lease(self, holder: str, ttl: float) -> bool:
-        """Extend the lease to `ttl` seconds from now, only if `holder` holds it."""
-        return await self._lease.renew(self.keys.leader, holder, ttl)
-
-    async def release_lease(self, holder: str) -> bool:
-        """Give the lease up, only if `holder` holds it. True if it was released."""
-        return await self._lease.release(self.keys.leader, holder)
+    def lease(self, holder: str, ttl: float) -> Lease:
+        """The controller leader lease as `holder` takes it for `ttl` seconds."""
+        return Lease(self._redis, self.keys.leader, holder, ttl)
 
     async def lease_holder(self) -> str | None:
         """Who holds the leader lease now, or None."""
-        return await self._lease.holder(self.keys.leader)
+        with redis_errors():
+            raw = await self._redis.get(self.keys.leader)
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
     # -- pub/sub (pubsub.py) -----------------------------------------------------------------
 
-    def follow_snapshots(
+    async def follow_snapshots(
         self, name: str, *, resync_interval: float = 5.0, subscribe_timeout: float = 5.0
     ) -> AsyncGenerator[ReadySnapshot, None]:
         """Yield the current snapshot of `name` (if any), then each newer one as committed.
@@ -405,13 +397,16 @@ class Store:
         not decode is skipped. Runs until the consumer stops iterating; raises
         StoreUnavailable when Redis cannot be reached or the connection drops.
         """
-        return pubsub.follow_snapshots(
-            self._redis,
-            self.keys,
-            name,
-            resync_interval=resync_interval,
-            subscribe_timeout=subscribe_timeout,
-        )
+        stream = newer_snapshots(self._redis, self.keys, name, resync_interval=resync_interval,
+                                 subscribe_timeout=subscribe_timeout)  # fmt: skip
+        try:
+            with redis_errors():
+                async for snapshot in stream:
+                    yield snapshot
+        except NoSubscribeConfirmation as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+        finally:
+            await stream.aclose()
 
     async def subscribe_control(self) -> ControlSubscription:
         """Subscribe to the control channel (nudges); the caller closes the subscription."""

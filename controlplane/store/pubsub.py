@@ -1,50 +1,26 @@
-"""The store's pub/sub: following a service's snapshots as a proxy does, and the
-control channel (nudges to the controller: `nudge`, `ControlSubscription`).
+"""The store's control channel: nudges to the controller (`nudge`,
+`ControlSubscription`). Following a service's snapshots is `Store.follow_snapshots`
+(on proxy.wire.feed, as a proxy follows them).
 
-Pub/sub is at-most-once: a follower GETs the snapshot key again every few seconds,
-and a nudge only makes the controller act sooner (it reconciles on its own interval
-anyway).
+Pub/sub is at-most-once: a nudge only makes the controller act sooner (it reconciles
+on its own interval anyway).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from controlplane.errors import StoreUnavailable, redis_errors
+from controlplane.errors import redis_errors
 from controlplane.store.untrusted import Rejects, parse_nudge
-from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import ReadySnapshot
 from proxy.wire.telemetry import Nudge, encode_nudge
 
 log = logging.getLogger("sluice.store")
-
-
-async def follow_snapshots(
-    redis: aioredis.Redis,
-    keys: Keys,
-    name: str,
-    *,
-    resync_interval: float,
-    subscribe_timeout: float,
-) -> AsyncGenerator[ReadySnapshot, None]:
-    """`Store.follow_snapshots`."""
-    stream = newer_snapshots(redis, keys, name, resync_interval=resync_interval,
-                             subscribe_timeout=subscribe_timeout)
-    try:
-        with redis_errors():
-            async for snapshot in stream:
-                yield snapshot
-    except NoSubscribeConfirmation as exc:
-        raise StoreUnavailable(f"redis unavailable: {exc}") from exc
-    finally:
-        await stream.aclose()
 
 
 async def subscribe_control(

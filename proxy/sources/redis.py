@@ -63,8 +63,8 @@ from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
 from proxy.stats import Stats
+from proxy.stopping import bounded, stop_tasks
 from proxy.tally import RoutedTally, cut_total, response_classes
-from proxy.tasks import bounded, stop_tasks
 from proxy.wire.engines import EngineStats, EngineView, decode_engine_view
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.feed import SnapshotFeed
@@ -145,7 +145,7 @@ class RedisSource:
         self._flush_failing = False
         self._applied_any = False
         self._rejected: deque[bytes] = deque(maxlen=16)  # digests of rejected payloads
-        self._closing = False  # set by aclose(); every loop checks it (see proxy/tasks.py)
+        self._closing = False  # set by aclose(); every loop checks it (see proxy/stopping.py)
         # (generation, applied_at) of the last applies, sent with every heartbeat so a
         # reader sees when each recent commit reached this proxy, not only the last one.
         self._applies: deque[tuple[int, float]] = deque(maxlen=_RECENT_APPLIES)

@@ -46,7 +46,7 @@ from proxy.sources.skyserve_protocol import (
     parse_sync_reply,
 )
 from proxy.stats import Stats
-from proxy.tasks import bounded, stop_tasks
+from proxy.stopping import bounded, stop_tasks
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
@@ -149,7 +149,7 @@ class SkyServeSource:
         self._counter = _Counter(stats)
         self.requests = RequestLog()
         self._workers: dict[int, tuple[float, float]] = {}  # index -> (until, heard at)
-        self._closing = False  # set by aclose(); the loops check it (see proxy/tasks.py)
+        self._closing = False  # set by aclose(); the loops check it (see proxy/stopping.py)
 
     async def start(self, ready_set: ReadySet) -> None:
         self._ready_set = ready_set

@@ -18,7 +18,7 @@ from controlplane import ops
 from controlplane.cli import cli
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.spec import ServiceSpec, load_spec
+from controlplane.servicespec import ServiceSpec, load_spec
 from controlplane.store import Store
 from tests.support.builders import make_spec, ready_view
 from tests.support.faultproxy import FaultProxy

@@ -10,7 +10,7 @@ from controlplane.autoscaler import (
     instance_aware_target,
     qps,
 )
-from controlplane.spec import ReplicaPolicy, SpecError, parse_spec
+from controlplane.servicespec import ReplicaPolicy, SpecError, parse_spec
 
 
 def policy(**kw: object) -> ReplicaPolicy:

@@ -22,7 +22,7 @@ from controlplane.display import status_text
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.rollout import plan_rollout
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store, StoreUnavailable
 from tests.support.cli import sluice as run_cli

@@ -15,7 +15,7 @@ import pytest
 
 from controlplane import ops
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.builders import RUN
 from tests.support.controllers import Controllers, proxy_for
@@ -72,7 +72,7 @@ async def start_controller(
     await controllers.aclose()
 
 
-def live(view: ops.ServiceView) -> list[ops.ReplicaView]:
+def live(view: ops.ServiceView) -> list[ops.ReplicaStatusView]:
     return [r for r in view.replicas if r.status in LIVE]
 
 

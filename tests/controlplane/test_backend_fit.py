@@ -11,9 +11,9 @@ import pytest
 from controlplane.backends.fit import Unfit, check_backend, check_run_command
 from controlplane.backends.fixedport import PortConflict
 from controlplane.display import LiveView
-from controlplane.ops import ReplicaView, ServiceView
+from controlplane.ops import ReplicaStatusView, ServiceView
 from controlplane.rollout import accelerator_of
-from controlplane.spec import SpecError, load_spec
+from controlplane.servicespec import SpecError, load_spec
 
 BASE = "service:\n  readiness_probe: /\n  replicas: {replicas}\n"
 
@@ -96,7 +96,7 @@ def test_a_value_left_empty_names_the_flags_that_fill_it(key: str, flag: str) ->
 
 
 def _view(reason: str | None, status: str = "FAILED") -> ServiceView:
-    replica = ReplicaView(id=2, version=1, url="http://127.0.0.1:4100", status=status,
+    replica = ReplicaStatusView(id=2, version=1, url="http://127.0.0.1:4100", status=status,
                           backend="local", launched_at=None, first_ready_at=None,
                           reason=reason, log="/s/echo/replica-2.log")  # fmt: skip
     return ServiceView(name="echo", status="FAILED", version=1, active_versions=[],

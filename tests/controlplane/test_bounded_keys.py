@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from controlplane import ops
 from controlplane.autoscaler import QPS_WINDOW_SECONDS
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.reconcile.autoscaling import MAX_PENDING_DEMAND
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.reconcile.scalestate import MAX_PENDING_DEMAND
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 
 

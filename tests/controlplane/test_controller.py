@@ -34,7 +34,7 @@ from controlplane.lifecycle import apply_exit, apply_probe
 from controlplane.prober import Prober, ProbeResult
 from controlplane.reconcile import Controller, ControllerConfig, run_controller
 from controlplane.records import ReplicaRecord
-from controlplane.spec import ReadinessProbe, ServiceSpec, parse_spec
+from controlplane.servicespec import ReadinessProbe, ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot

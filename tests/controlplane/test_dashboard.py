@@ -26,7 +26,7 @@ from controlplane.dashboard import DashboardConfig, DashboardConfigError, server
 from controlplane.dashboard.model import engine_scalars, rollout
 from controlplane.dashboard.poller import Poller
 from controlplane.dashboard.server import make_app
-from controlplane.ops import ReplicaView, ServiceView
+from controlplane.ops import ReplicaStatusView, ServiceView
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 from tests.support.builders import make_spec, registered, replica
@@ -378,7 +378,7 @@ def _view(*replicas: tuple[int, int, str], version: int, active: list[int]) -> S
         name="svc", status="READY", version=version, active_versions=active,
         update_mode="rolling", policy="least_load", endpoint=None, created_at=0.0, uptime=0.0,
         ready=0, total=0, generation=1, target=2,
-        replicas=[ReplicaView(id=i, version=v, url=None, status=s, backend="local",
+        replicas=[ReplicaStatusView(id=i, version=v, url=None, status=s, backend="local",
                               launched_at=None, first_ready_at=None) for i, v, s in replicas],
     )  # fmt: skip
 

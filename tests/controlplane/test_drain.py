@@ -27,7 +27,7 @@ from controlplane.reconcile.drain import (
     proxy_holds,
 )
 from controlplane.run.config import RunConfig
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 from tests.support.builders import make_spec, pid_of, ready_view
@@ -110,9 +110,9 @@ def test_status_shows_a_draining_replica_with_its_in_flight_count() -> None:
                            update_mode="rolling", policy="least_load", endpoint=None,
                            created_at=0.0, uptime=1.0, ready=1, total=1, generation=3,
                            replicas=[
-        ops.ReplicaView(id=1, version=2, url="http://h:1", status="READY", backend="local",
+        ops.ReplicaStatusView(id=1, version=2, url="http://h:1", status="READY", backend="local",
                         launched_at=0.0, first_ready_at=0.0),
-        ops.ReplicaView(id=2, version=1, url="http://h:2", status="SHUTTING_DOWN",
+        ops.ReplicaStatusView(id=2, version=1, url="http://h:2", status="SHUTTING_DOWN",
                         backend="local", launched_at=0.0, first_ready_at=0.0,
                         draining_since=0.5, inflight=3),
     ])  # fmt: skip

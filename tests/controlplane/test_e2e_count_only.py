@@ -27,7 +27,7 @@ import pytest
 
 from controlplane import ops
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.builders import ready_view
 from tests.support.poll import until

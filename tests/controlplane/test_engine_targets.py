@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controlplane.reconcile.engines import scrape_targets
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.states import ReplicaStatus
 from tests.support.builders import replica
 

@@ -21,7 +21,7 @@ import pytest
 
 from controlplane import ops
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.cli import sluice
 from tests.support.controllers import Controllers, proxy_for

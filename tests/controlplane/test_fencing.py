@@ -131,7 +131,7 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         # Past its TTL: the lease expires, and a successor takes it. Its value is what a
         # second controller started with the same --holder used to write.
         await until(lease_expired(store), timeout=20, what="the lease to expire")
-        assert await store.acquire_lease("ctl", 60)
+        assert await store.lease("ctl", 60).acquire()
         # The fleet needs repair: the paused leader would replace this replica.
         os.killpg(replica_pid, signal.SIGKILL)
         await until(lambda: not running(replica_pid), what="the replica to die")
@@ -179,7 +179,7 @@ async def test_a_resumed_leader_s_next_commit_is_refused(
         try:
             leader.proc.send_signal(signal.SIGSTOP)
             await until(lease_expired(store), timeout=30, what="the lease to expire")
-            assert await store.acquire_lease("successor", 60)
+            assert await store.lease("successor", 60).acquire()
             proxy.drop_commands(b"EVALSHA")  # the lease scripts: renewal never answers
             os.killpg(replica_pid, signal.SIGKILL)
             await until(lambda: not running(replica_pid), what="the replica to die")
@@ -216,14 +216,14 @@ async def test_a_fenced_commit_is_refused_when_another_holds_the_lease(
 
     with pytest.raises(LeaseLost):  # nobody holds it
         await fenced.commit("svc", replica_updates=[replica])
-    assert await store.acquire_lease("other", 30)
+    assert await store.lease("other", 30).acquire()
     with pytest.raises(LeaseLost):  # another holds it
         await fenced.commit("svc", replica_updates=[replica])
     assert await store.replicas("svc") == {}
     assert await store.generation("svc") == generation
 
-    assert await store.release_lease("other")
-    assert await store.acquire_lease("me:1", 30)
+    assert await store.lease("other", 30).release()
+    assert await store.lease("me:1", 30).acquire()
     await fenced.commit("svc", replica_updates=[replica])  # the holder commits
     assert list(await store.replicas("svc")) == [1]
 
@@ -233,7 +233,7 @@ async def test_a_lease_taken_between_read_and_exec_aborts_the_commit(
 ) -> None:
     fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
     await store.register_service(ServiceRecord(name="svc"), b"{}")
-    assert await store.acquire_lease("me:1", 30)
+    assert await store.lease("me:1", 30).acquire()
     thief = redis.Redis.from_url(redis_url)
     plans = 0
 
@@ -265,7 +265,7 @@ async def test_a_controller_step_without_the_lease_launches_nothing(
     )  # fmt: skip
     fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
     await ops.up(store, "svc", make_spec(2))
-    assert await store.acquire_lease("successor", 30)
+    assert await store.lease("successor", 30).acquire()
     async with Controller(fenced, config) as controller:
         with pytest.raises(LeaseLost):
             await controller.step()
@@ -287,7 +287,7 @@ async def test_terminate_on_exit_needs_the_lease_to_be_ours_or_free(
         reconcile_interval=30.0, term_timeout=3.0, terminate_on_exit=True, lease_ttl=60.0,
     )  # fmt: skip
     fenced = Store(redis_client, prefix=redis_prefix, fence="me:1")
-    assert await store.acquire_lease("me:1", 60)
+    assert await store.lease("me:1", 60).acquire()
     controller = Controller(fenced, config)
     await controller.start()
     runner = asyncio.create_task(controller.run())
@@ -302,7 +302,7 @@ async def test_terminate_on_exit_needs_the_lease_to_be_ours_or_free(
         # The lease ran out while shutting down (a slow exit), or a successor took it.
         await redis_client.delete(store.keys.leader)
         if lease == "taken":
-            assert await store.acquire_lease("successor", 60)
+            assert await store.lease("successor", 60).acquire()
         await controller.aclose()
         if lease == "expired":  # nobody else leads: stopped, records deleted
             assert not [pid for pid in pids if running(pid)]

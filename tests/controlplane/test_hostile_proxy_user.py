@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from controlplane import ops
 from controlplane.records import ReplicaRecord
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from tests.controlplane.test_redis_access import (  # noqa: F401 (fixtures)
     CONTROLLER_PASSWORD,

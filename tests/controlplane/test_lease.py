@@ -26,22 +26,33 @@ from tests.support.poll import until
 
 
 class Recording(Store):
-    """The real store, noting the outcome of every lease renewal (True, False, or
-    "cancelled" when the renewal was cancelled before Redis answered)."""
+    """The real store, whose leases note the outcome of every renewal in `renewals`
+    (True, False, or "cancelled" when the renewal was cancelled before Redis answered)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.renewals: list[bool | str] = []
         self.renewing = asyncio.Event()
 
-    async def renew_lease(self, holder: str, ttl: float) -> bool:
-        self.renewing.set()
+    def lease(self, holder: str, ttl: float) -> lease.Lease:
+        return NotedLease(self, super().lease(holder, ttl))
+
+
+class NotedLease(lease.Lease):
+    """A real lease whose `extend` is noted in its store's `renewals`."""
+
+    def __init__(self, store: Recording, base: lease.Lease) -> None:
+        super().__init__(base.redis, base.key, base.holder, base.ttl)
+        self.store = store
+
+    async def extend(self) -> bool:
+        self.store.renewing.set()
         try:
-            renewed = await super().renew_lease(holder, ttl)
+            renewed = await super().extend()
         except asyncio.CancelledError:
-            self.renewals.append("cancelled")
+            self.store.renewals.append("cancelled")
             raise
-        self.renewals.append(renewed)
+        self.store.renewals.append(renewed)
         return renewed
 
 
@@ -79,8 +90,8 @@ async def recording(redis_url: str, redis_prefix: str) -> AsyncIterator[Recordin
 
 async def _leading(store: Store, ttl: float, run: Run) -> asyncio.Task[None]:
     """`lead` started as a task for holder "a", once "a" holds the lease and run() runs."""
-    assert await store.acquire_lease("a", ttl)
-    task = asyncio.create_task(lease.lead(store, "a", ttl, run))
+    assert await store.lease("a", ttl).acquire()
+    task = asyncio.create_task(lease.lead(store.lease("a", ttl), run))
     await asyncio.wait_for(run.started.wait(), 10)
     return task
 
@@ -105,8 +116,8 @@ async def test_a_run_refused_by_the_fence_ends_the_lead(recording: Recording) ->
     async def refused() -> None:
         raise LeaseLost("commit refused: the leader lease is b's")
 
-    assert await recording.acquire_lease("a", 30)
-    await asyncio.wait_for(lease.lead(recording, "a", 30, refused), 10)  # returns, no raise
+    assert await recording.lease("a", 30).acquire()
+    await asyncio.wait_for(lease.lead(recording.lease("a", 30), refused), 10)  # returns, no raise
     assert recording.renewals == []
 
 
@@ -114,9 +125,9 @@ async def test_a_run_failing_otherwise_propagates_from_lead(recording: Recording
     async def broken() -> None:
         raise RuntimeError("bug")
 
-    assert await recording.acquire_lease("a", 30)
+    assert await recording.lease("a", 30).acquire()
     with pytest.raises(RuntimeError, match="bug"):
-        await asyncio.wait_for(lease.lead(recording, "a", 30, broken), 10)
+        await asyncio.wait_for(lease.lead(recording.lease("a", 30), broken), 10)
 
 
 async def test_cancelling_lead_cancels_the_run_and_propagates(recording: Recording) -> None:
@@ -182,11 +193,12 @@ async def test_a_refused_commit_ends_the_lead_without_waiting_for_the_renewal(
             await store.renewing.wait()
             raise LeaseLost("commit refused")
 
-        assert await store.acquire_lease("a", ttl)
+        assert await store.lease("a", ttl).acquire()
         os.kill(pid, signal.SIGSTOP)
         try:
             with caplog.at_level(logging.WARNING, logger="sluice.controller"):
-                await asyncio.wait_for(lease.lead(store, "a", ttl, refused_during_renewal), 20)
+                leading = lease.lead(store.lease("a", ttl), refused_during_renewal)
+                await asyncio.wait_for(leading, 20)
         finally:
             os.kill(pid, signal.SIGCONT)
     assert store.renewals == ["cancelled"]
@@ -196,12 +208,12 @@ async def test_a_refused_commit_ends_the_lead_without_waiting_for_the_renewal(
 async def test_acquire_waits_until_the_lease_is_free(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert await store.acquire_lease("b", 30)
+    assert await store.lease("b", 30).acquire()
     with caplog.at_level(logging.INFO, logger="sluice.controller"):
-        waiting = asyncio.create_task(lease.acquire(store, "a", 0.3))
+        waiting = asyncio.create_task(lease.acquire(store.lease("a", 0.3)))
         await until(lambda: "standing by (the lease is b's)" in caplog.text, timeout=10)
         assert not waiting.done()
-        assert await store.release_lease("b")
+        assert await store.lease("b", 30).release()
         await asyncio.wait_for(waiting, 10)
     assert await store.lease_holder() == "a"
 

@@ -35,7 +35,7 @@ from controlplane.backends.external import ExternalBackend
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import ReplicaRecord, ServiceRecord, compute_active_versions
 from controlplane.rollout import plan_rollout, scale_down_order
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.states import FAILED_REPLICA_STATUSES, ReplicaStatus, ServiceStatus, UpdateMode
 from controlplane.store import Committed, MutationPlan, Store
 from proxy.wire.snapshot import ReadySnapshot

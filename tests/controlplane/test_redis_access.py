@@ -37,7 +37,7 @@ from click.testing import Result
 from controlplane import ops
 from controlplane.reconcile import ControllerConfig, run_controller
 from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from tests.support.cli import sluice, spawn_sluice
 from tests.support.pids import descendants

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.run.config import DOWN_SLACK, RunConfig
-from controlplane.spec import load_spec
+from controlplane.servicespec import load_spec
 from tests.support.cli import sluice_child
 from tests.support.pids import descendants
 from tests.support.poll import until_sync

@@ -21,7 +21,7 @@ import redis
 
 from controlplane.backends.local import HOST_ENV_NAMES, HOST_ENV_PREFIXES, LocalBackend
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from tests.support.cli import sluice, spawn_sluice
 from tests.support.pids import descendants, kill_all
 from tests.support.poll import until, until_sync

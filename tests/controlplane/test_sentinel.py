@@ -35,17 +35,17 @@ async def test_commits_and_the_lease_continue_on_the_new_primary(
                                      b"{}")
         ready = ReplicaRecord(id=1, status=ReplicaStatus.READY, url="http://127.0.0.1:23001")
         first = await store.commit("svc", replica_updates=[ready])
-        assert await store.acquire_lease("leader-a", 30.0)
+        assert await store.lease("leader-a", 30.0).acquire()
         await store._redis.wait(1, 5000)  # the replica has both before the primary goes
         if how == "sigkill":
             await asyncio.to_thread(group.kill_primary)
         else:
             await asyncio.to_thread(group.failover)
         # The lease is held on the new primary: renewed by its holder, refused to others.
-        renewed = await retrying(lambda: store.renew_lease("leader-a", 30.0),
+        renewed = await retrying(lambda: store.lease("leader-a", 30.0).extend(),
                                  on=(StoreUnavailable,))  # fmt: skip
         assert renewed is True
-        assert await store.acquire_lease("leader-b", 30.0) is False
+        assert await store.lease("leader-b", 30.0).acquire() is False
         second = await retrying(lambda: store.commit("svc", replica_updates=[
             ReplicaRecord(id=2, status=ReplicaStatus.READY, url="http://127.0.0.1:23002")]),
             on=(StoreUnavailable,))  # fmt: skip

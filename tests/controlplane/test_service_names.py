@@ -15,7 +15,7 @@ from controlplane.backends.base import LaunchFailed
 from controlplane.backends.local import LocalBackend
 from controlplane.cli import cli
 from controlplane.records import InvalidServiceName, check_service_name
-from controlplane.spec import load_spec, parse_spec
+from controlplane.servicespec import load_spec, parse_spec
 from controlplane.store import Store
 from tests.support.cli import redis_keys
 from tests.support.processes import REPO

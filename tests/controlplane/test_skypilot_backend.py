@@ -30,7 +30,7 @@ from controlplane.backends.skypilot_task import (
 )
 from controlplane.reconcile import ControllerConfig
 from controlplane.records import ReplicaRecord
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus
 from controlplane.store import Mutation, Store
 from tests.support.builders import PROBE, RUN, ready_view

@@ -25,7 +25,7 @@ import pytest
 
 from controlplane.backends.skypilot_sdk import RESOURCES_ATTRS, SDK_CALLS, STATUS_FIELDS
 from controlplane.backends.skypilot_task import cluster_name, task_config
-from controlplane.spec import load_spec
+from controlplane.servicespec import load_spec
 from tests.support.processes import REPO
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))

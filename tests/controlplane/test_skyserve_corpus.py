@@ -33,7 +33,7 @@ import yaml
 
 from controlplane.backends.base import BackendError
 from controlplane.backends.fit import check_backend
-from controlplane.spec import ServiceSpec, SpecError, load_spec
+from controlplane.servicespec import ServiceSpec, SpecError, load_spec
 from tests.support.processes import REPO
 
 HERE = Path(__file__).parent

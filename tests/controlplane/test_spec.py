@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from controlplane.spec import (
+from controlplane.servicespec import (
     ReadinessProbe,
     ReplicaPolicy,
     ServiceSpec,

@@ -434,22 +434,22 @@ async def test_rps_read_and_trim(store: Store, redis_client: aioredis.Redis) -> 
 
 async def test_leader_lease(store: Store) -> None:
     assert await store.lease_holder() is None
-    assert await store.acquire_lease("a", 10)
-    assert not await store.acquire_lease("b", 10)
-    assert await store.acquire_lease("a", 10)  # the holder re-acquires (extends)
-    assert await store.renew_lease("a", 10)
-    assert not await store.renew_lease("b", 10)
-    assert not await store.release_lease("b")
+    assert await store.lease("a", 10).acquire()
+    assert not await store.lease("b", 10).acquire()
+    assert await store.lease("a", 10).acquire()  # the holder re-acquires (extends)
+    assert await store.lease("a", 10).extend()
+    assert not await store.lease("b", 10).extend()
+    assert not await store.lease("b", 30).release()
     assert await store.lease_holder() == "a"
-    assert await store.release_lease("a")
-    assert await store.acquire_lease("b", 0.05)
+    assert await store.lease("a", 30).release()
+    assert await store.lease("b", 0.05).acquire()
     async def expired() -> bool:  # after 50 ms
         return await store.lease_holder() is None
 
     await until(expired, timeout=5, what="the lease to expire")
-    assert not await store.renew_lease("b", 10)
+    assert not await store.lease("b", 10).extend()
     with pytest.raises(ValueError):
-        await store.acquire_lease("a", 0)
+        await store.lease("a", 0).acquire()
 
 
 async def test_nudge_reaches_the_control_channel(

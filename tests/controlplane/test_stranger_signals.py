@@ -15,7 +15,7 @@ from controlplane import processes
 from controlplane.backends.local import LocalBackend
 from controlplane.records import Handle
 from controlplane.run import RunConfig, ServiceRun
-from controlplane.spec import load_spec
+from controlplane.servicespec import load_spec
 from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.processes import REPO

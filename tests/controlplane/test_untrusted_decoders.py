@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from controlplane.autoscaler import Autoscaler, qps
 from controlplane.display import table
-from controlplane.spec import parse_spec
+from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from controlplane.store.untrusted import (
     MAX_FIELDS,

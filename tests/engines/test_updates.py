@@ -31,7 +31,7 @@ import yaml
 
 from controlplane import ops
 from controlplane.reconcile import ControllerConfig
-from controlplane.spec import load_spec
+from controlplane.servicespec import load_spec
 from controlplane.store import Store
 from tests.engines.sse import Stream, chat_body, stream_chat
 from tests.support import llama

@@ -21,7 +21,7 @@ from typing import Any
 
 from controlplane import ops
 from controlplane.records import ReplicaRecord, ServiceRecord
-from controlplane.spec import ServiceSpec, parse_spec
+from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.states import ReplicaStatus, ServiceStatus
 from controlplane.store import Store
 from proxy.wire.snapshot import ReadyReplica, ReadySnapshot

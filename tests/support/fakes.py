@@ -22,7 +22,7 @@ from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.prober import ProbeResult
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.records import Handle, ReplicaRecord
-from controlplane.spec import ReadinessProbe, ServiceSpec
+from controlplane.servicespec import ReadinessProbe, ServiceSpec
 from controlplane.store import Store
 from tests.support.controllers import Controllers
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from controlplane.spec.engines import EngineMetrics
+from controlplane.servicespec.engines import EngineMetrics
 from proxy.wire.policies import DEFAULT_POLICY, POLICY_NAMES
 
 # Sky Serve's defaults (sky/serve/constants.py and the replica manager).

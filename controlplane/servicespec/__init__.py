@@ -36,11 +36,11 @@ It imports msgspec, PyYAML and the wire contract (policy names, PrefixOptions), 
 else of sluice: scripts/import_graph.py `MAY_IMPORT` (run by tests/test_layout.py).
 """
 
-from controlplane.spec.compat import is_count_only_change
-from controlplane.spec.errors import SpecError
-from controlplane.spec.load import fill_in_env_vars, load_spec, parse_spec
-from controlplane.spec.schema import ServiceSpec, port_ranges
-from controlplane.spec.service import ReadinessProbe, ReplicaPolicy
+from controlplane.servicespec.errors import SpecError
+from controlplane.servicespec.load import fill_in_env_vars, load_spec, parse_spec
+from controlplane.servicespec.schema import ServiceSpec, port_ranges
+from controlplane.servicespec.service import ReadinessProbe, ReplicaPolicy
+from controlplane.servicespec.skyserve_rules import is_count_only_change
 
 __all__ = [
     "ReadinessProbe",

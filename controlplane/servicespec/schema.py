@@ -7,7 +7,7 @@ Top-level task keys, decided one by one:
 - kept for the SkyPilot backend, validated loosely: `resources`, `num_nodes`
   (>= 1; more than one is for the SkyPilot backend only, see `backends.fit`),
   `file_mounts`, `config`, `volumes`;
-- rejected with a reason: see `compat.UNSUPPORTED` (cluster pools, SkyPilot-internal
+- rejected with a reason: see `skyserve_rules.UNSUPPORTED` (cluster pools, SkyPilot-internal
   keys, experimental ones Sky Serve ignores); anything else is an unknown field.
 """
 
@@ -18,8 +18,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from controlplane.spec.errors import SpecError, translate
-from controlplane.spec.service import (
+from controlplane.servicespec.errors import SpecError, translate
+from controlplane.servicespec.service import (
     EnvName,
     NonNegFloat,
     PrefixRouting,

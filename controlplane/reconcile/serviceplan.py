@@ -13,10 +13,10 @@ import msgspec
 
 from controlplane.backends.base import Launched, ReplicaBackend
 from controlplane.lifecycle import Transition
-from controlplane.reconcile.autoscaling import ScaleSignals, ScaleStep
 from controlplane.reconcile.drain import DrainReports
+from controlplane.reconcile.scalestate import ScaleSignals, ScaleStep
 from controlplane.records import ReplicaRecord, ServiceRecord
-from controlplane.spec import ServiceSpec
+from controlplane.servicespec import ServiceSpec
 from controlplane.states import EventKind, ServiceStatus
 from controlplane.store import Mutation
 

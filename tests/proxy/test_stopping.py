@@ -1,4 +1,4 @@
-"""proxy.tasks: stopping background tasks that do not stop at the first cancel."""
+"""proxy.stopping: stopping background tasks that do not stop at the first cancel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from proxy.tasks import bounded, stop_tasks
+from proxy.stopping import bounded, stop_tasks
 
 
 async def swallows_cancels(times: int, stopped: list[bool]) -> None:

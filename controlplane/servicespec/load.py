@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 import yaml
 
-from controlplane.spec.compat import reject_unsupported
-from controlplane.spec.errors import SpecError, translate
-from controlplane.spec.schema import ServiceSpec, round_trip
+from controlplane.servicespec.errors import SpecError, translate
+from controlplane.servicespec.schema import ServiceSpec, round_trip
+from controlplane.servicespec.skyserve_rules import reject_unsupported
 
 
 def load_spec(

@@ -41,7 +41,7 @@ from controlplane.autoscaler import (
     Decision,
 )
 from controlplane.records import AutoscalerStatus, ReplicaRecord, ServiceRecord
-from controlplane.spec import ReplicaPolicy, ServiceSpec
+from controlplane.servicespec import ReplicaPolicy, ServiceSpec
 from controlplane.states import LIVE
 from controlplane.store import Store
 

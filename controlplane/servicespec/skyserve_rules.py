@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
-from controlplane.spec.errors import SpecError
-from controlplane.spec.schema import ServiceSpec
-from controlplane.spec.service import ServiceSection
+from controlplane.servicespec.errors import SpecError
+from controlplane.servicespec.schema import ServiceSpec
+from controlplane.servicespec.service import ServiceSection
 
 # Service fields whose change never needs a new replica process: they steer
 # the controller, the prober or the proxy. Every other field (service.ports
