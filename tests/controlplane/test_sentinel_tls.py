@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import trustme
-from controlplane.redissentinel import SentinelGroup
 
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import RedisServerError, RedisTls
@@ -30,6 +29,7 @@ from tests.controlplane.test_redis_access import redis7  # noqa: F401 (fixture)
 from tests.support.cli import sluice
 from tests.support.poll import retrying
 from tests.support.ports import HOST
+from tests.support.sentinel import SentinelGroup
 
 PASSWORD = "data-pw-for-tests"
 
