@@ -66,11 +66,12 @@ from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
 
-TARGETS = ("round_robin", "least_load", "prefix", "sglang", "smg")
+TARGETS = ("round_robin", "least_load", "prefix", "prefix_hash", "sglang", "smg")
 LABELS = {
     "round_robin": "sluice `round_robin`",
     "least_load": "sluice `least_load`",
     "prefix": "sluice `prefix`",
+    "prefix_hash": "sluice `prefix`, placement: rendezvous",
     "sglang": "sglang-router 0.3.2 `cache_aware`",
     "smg": "smg 1.13.0 `cache_aware`",
 }
@@ -218,12 +219,21 @@ def _answers(port: int, path: str) -> bool:
 
 @contextlib.contextmanager
 def router(target: str, urls: list[str], log_dir: Path,
-           peers: dict[str, Path]) -> Iterator[str]:  # fmt: skip
-    """The target's router in front of `urls`; yields its URL once it routes to all."""
-    if target in ("round_robin", "least_load", "prefix"):
+           peers: dict[str, Path], slots: int = 0) -> Iterator[str]:  # fmt: skip
+    """The target's router in front of `urls`; yields its URL once it routes to all.
+
+    sluice's `prefix` is told the servers' `slots` (what the engine view would say with
+    a controller; this bench runs the proxy on a static replica list)."""
+    if target in ("round_robin", "least_load", "prefix", "prefix_hash"):
         proxies = ProxyFactory(log_dir)
+        extra: list[str] = []
+        if target == "prefix":
+            extra = ["--prefix-replica-families", str(slots)]
+        elif target == "prefix_hash":
+            target, extra = "prefix", ["--prefix-placement", "rendezvous"]
         try:
-            proxy = proxies("--policy", target, "--log-level", "WARNING", replicas=urls)
+            proxy = proxies("--policy", target, "--log-level", "WARNING", *extra,
+                            replicas=urls)
             yield proxy.url
         finally:
             proxies.close()
@@ -281,7 +291,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
     try:
         servers = factory(args.servers, slots=args.slots, threads=args.threads,
                           cache_ram=0, ctx=args.slots * args.slot_ctx)  # fmt: skip
-        with router(target, [s.url for s in servers], log_dir, peers) as url:
+        with router(target, [s.url for s in servers], log_dir, peers, args.slots) as url:
             # One tiny request per server's worth, so a router's lazy setup is not timed;
             # its few tokens are subtracted (the counters are read after it).
             warm = asyncio.run(drive(url, ["warm up"], [Arrival(0.0, 0, ("hi",), ())],

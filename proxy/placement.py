@@ -34,6 +34,7 @@ dict lookup and a move_to_end; a new one a walk over the replicas.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -88,7 +89,8 @@ class PlacementTable:
         self.by_url: dict[str, ReplicaView] = {}
         # (family, replica URL) placed here and not yet published (drained by the source).
         self.outbox: list[tuple[int, str]] = []
-        self.now = 0.0  # a coarse clock, set by refresh(): no clock read on the request path
+        # A coarse clock, set by refresh(): no clock read on the request path.
+        self.now = time.time()
 
     # -- off the request path -------------------------------------------------------------
 
@@ -144,8 +146,8 @@ class PlacementTable:
         cut = self.now - self.ttl
         for fid, url, at in entries:
             replica = self.by_url.get(url)
-            if replica is None or (self.now and at < cut):
-                skipped += replica is None
+            if replica is None or at < cut or at > self.now + 60:
+                skipped += replica is None or at > self.now + 60
                 continue
             fam = self.families.get(fid)
             if fam is None:
