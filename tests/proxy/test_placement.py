@@ -154,3 +154,14 @@ def test_adopted_placements_win_and_unknown_replicas_are_skipped() -> None:
     assert skipped == 1
     assert ready.choose(None, Req(body)) is other  # the shared placement wins
     assert 8 not in table.families and table.placed[mine] == 0
+
+
+def test_placement_options_are_checked() -> None:
+    import pytest
+
+    for bad in ({"placement": "hash"}, {"replica_families": -1}, {"placement_ttl": 0.0}):
+        with pytest.raises(ValueError, match="prefix.placement|prefix.replica_families"):
+            PrefixOptions(**bad)  # type: ignore[arg-type]
+    from controlplane.spec.service import PrefixRouting
+
+    assert PrefixRouting(placement="rendezvous").placement == "rendezvous"
