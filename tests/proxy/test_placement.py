@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import collections
 
+import pytest
+
+from controlplane.spec.service import PrefixRouting
+
 from proxy.placement import PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
@@ -157,11 +161,7 @@ def test_adopted_placements_win_and_unknown_replicas_are_skipped() -> None:
 
 
 def test_placement_options_are_checked() -> None:
-    import pytest
-
     for bad in ({"placement": "hash"}, {"replica_families": -1}, {"placement_ttl": 0.0}):
-        with pytest.raises(ValueError, match="prefix.placement|prefix.replica_families"):
+        with pytest.raises(ValueError, match=r"prefix\.(placement|replica_families)"):
             PrefixOptions(**bad)  # type: ignore[arg-type]
-    from controlplane.spec.service import PrefixRouting
-
     assert PrefixRouting(placement="rendezvous").placement == "rendezvous"
