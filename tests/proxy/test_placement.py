@@ -10,7 +10,6 @@ import collections
 import pytest
 
 from controlplane.spec.service import PrefixRouting
-
 from proxy.placement import PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
