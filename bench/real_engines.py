@@ -238,7 +238,7 @@ def router(target: str, urls: list[str], log_dir: Path,
         proxies = ProxyFactory(log_dir)
         extra: list[str] = []
         if target == "prefix":
-            extra = ["--prefix-replica-families", str(slots)]
+            extra = ["--prefix-placement", "capacity", "--prefix-replica-families", str(slots)]
         elif target == "prefix_hash":
             target, extra = "prefix", ["--prefix-placement", "rendezvous"]
         server = None

@@ -159,9 +159,10 @@ class _ProxyCommand(click.Command):
 @click.option("--prefix-bytes", type=click.IntRange(16, 1 << 20), default=None,
               help="prefix policy: request body bytes read before routing. "
                    f"[default: {PREFIX_DEFAULTS.prefix_bytes}]")
-@click.option("--prefix-placement", type=click.Choice(["capacity", "rendezvous"]),
+@click.option("--prefix-placement", type=click.Choice(["auto", "capacity", "rendezvous"]),
               default=None, help="prefix policy: place a new prompt family by load and "
-                   "free cache capacity (shared via Redis) or by the hash alone. "
+                   "free cache capacity, by the hash alone, or (auto) by capacity once "
+                   "shared through Redis. "
                    f"[default: {PREFIX_DEFAULTS.placement}]")
 @click.option("--prefix-replica-families", type=click.IntRange(0, 1 << 16), default=None,
               help="prefix policy: families a replica's cache holds when its engine does "

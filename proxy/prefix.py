@@ -183,9 +183,19 @@ class PrefixPolicy:
         # Placement by load and free cache capacity (proxy/placement.py); None: rendezvous.
         self.placement: PlacementTable | None = None
         if opts.placement == "capacity":
-            self.placement = PlacementTable(
-                default_capacity=opts.replica_families, window_tokens=opts.prefix_bytes // 4,
-                ttl=opts.placement_ttl, max_families=max(64, opts.lru_size // 4))
+            self.enable_placement()
+
+    def enable_placement(self) -> None:
+        """Place families by load and capacity from now on (`placement: capacity`, or
+        `auto` once the Redis source shares the placement: proxy/sources/placement.py)."""
+        if self.placement is not None:
+            return
+        opts = self.options
+        table = PlacementTable(
+            default_capacity=opts.replica_families, window_tokens=opts.prefix_bytes // 4,
+            ttl=opts.placement_ttl, max_families=max(64, opts.lru_size // 4))
+        table.update(self._replicas)
+        self.placement = table
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)

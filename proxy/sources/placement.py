@@ -28,7 +28,10 @@ request path:
   ready set, a message over 1 MiB: skipped and counted (`stats.placements_skipped`,
   `sluice_placements_skipped`), never raised.
 
-Redis down: the loop backs off and retries; the table keeps its last view plus
+With `placement: auto` (the default) this task turns the policy's placement on at
+its first tick: before it (and with no Redis source at all) the policy places by
+rendezvous, as every proxy agrees on that without sharing. Redis down: the loop backs
+off and retries; the table keeps its last view plus
 this proxy's own decisions (never worse than the stateless policy).
 """
 
@@ -119,7 +122,12 @@ class PlacementSync:
         self.adopted_messages = 0
 
     def table(self) -> PlacementTable | None:
-        table = getattr(self._ready_set.policy, "placement", None)
+        policy = self._ready_set.policy
+        options = getattr(policy, "options", None)
+        auto = getattr(options, "placement", None) == "auto"
+        if auto and getattr(policy, "placement", 1) is None:
+            policy.enable_placement()  # type: ignore[attr-defined]  # shared from now on
+        table = getattr(policy, "placement", None)
         return table if isinstance(table, PlacementTable) else None
 
     def max_entries(self, table: PlacementTable) -> int:

@@ -40,9 +40,10 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     load, a replica with more than (1 + epsilon) x the mean in flight is skipped;
     `lru_size`: entries of the per-proxy longest-prefix memory (0: off);
     `placement`: how a new prompt family gets its replica, "capacity" (by load and free
-    cache capacity, shared through Redis: proxy/placement.py) or "rendezvous" (the hash
-    alone); `replica_families`: families a replica's cache holds when its engine does not
-    say (0: 4); `placement_ttl`: seconds a family stays placed after its last request.
+    cache capacity: proxy/placement.py), "rendezvous" (the hash alone) or "auto"
+    (capacity once the placement is shared through Redis, else rendezvous);
+    `replica_families`: families a replica's cache holds when its engine does not say
+    (0: 4); `placement_ttl`: seconds a family stays placed after its last request.
     """
 
     block_bytes: int = 256
@@ -51,7 +52,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     user_field: bool = False
     epsilon: float = 1.0
     lru_size: int = 16384
-    placement: str = "capacity"
+    placement: str = "auto"
     replica_families: int = 0
     placement_ttl: float = 300.0
 
@@ -65,8 +66,8 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"prefix.epsilon must be > 0, got {self.epsilon}")
         if self.lru_size < 0:
             raise ValueError(f"prefix.lru_size must be >= 0, got {self.lru_size}")
-        if self.placement not in ("capacity", "rendezvous"):
-            raise ValueError(f"prefix.placement must be capacity or rendezvous, "
+        if self.placement not in ("auto", "capacity", "rendezvous"):
+            raise ValueError(f"prefix.placement must be auto, capacity or rendezvous, "
                              f"got {self.placement!r}")
         if not 0 <= self.replica_families <= 1 << 16:
             raise ValueError(f"prefix.replica_families must be 0-65536, "

@@ -14,8 +14,15 @@ from proxy.placement import PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
 from proxy.wire.engines import EngineStats
-from proxy.wire.snapshot import PrefixOptions
-from tests.proxy.test_prefix import RDV, URLS, Req, bodies, snapshot
+from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
+from tests.proxy.test_prefix import RDV, URLS, Req, bodies
+from tests.proxy.test_prefix import snapshot as prefix_snapshot
+
+CAP = PrefixOptions(placement="capacity")
+
+
+def snapshot(gen: int, *urls: str, options: PrefixOptions = CAP) -> ReadySnapshot:
+    return prefix_snapshot(gen, *urls, options=options)
 
 
 def family_of(ready: ReadySet, body: bytes) -> int:
@@ -53,7 +60,8 @@ def test_families_fill_every_replica_to_its_slots_where_rendezvous_piles_them_up
 
 def test_capacity_from_the_engine_beats_the_configured_default() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:2], options=PrefixOptions(replica_families=1)))
+    one_each = PrefixOptions(replica_families=1, placement="capacity")
+    ready.apply(snapshot(1, *URLS[:2], options=one_each))
     by_url = {r.url: r for r in ready.replicas}
     by_url[URLS[0]].engine = EngineStats(url=URLS[0], slots=3)  # type: ignore[attr-defined]
     ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]
@@ -86,7 +94,7 @@ def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
 
 def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
     body = bodies(1, seed=41)[0]
     home = ready.choose(None, Req(body))
     assert home is not None
@@ -160,6 +168,10 @@ def test_adopted_placements_win_and_unknown_replicas_are_skipped() -> None:
 
 
 def test_placement_options_are_checked() -> None:
+    assert PrefixOptions().placement == "auto"
+    static = ReadySet()
+    static.apply(prefix_snapshot(1, *URLS[:4]))  # auto without a Redis source: rendezvous
+    assert static.policy.placement is None  # type: ignore[attr-defined]
     for bad in ({"placement": "hash"}, {"replica_families": -1}, {"placement_ttl": 0.0}):
         with pytest.raises(ValueError, match=r"prefix\.(placement|replica_families)"):
             PrefixOptions(**bad)  # type: ignore[arg-type]

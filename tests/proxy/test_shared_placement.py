@@ -33,6 +33,9 @@ async def start_proxy(url: str, prefix: str) -> Proxy:
     source = RedisSource(config, stats, flush_interval=0.1, backoff_max=0.1)
     await source.start(ready_set)
     await until(lambda: len(ready_set.replicas) == 4, what="the proxy to load the set")
+    # placement: auto (the default) turns capacity placement on once the source shares it.
+    await until(lambda: ready_set.policy.placement is not None,  # type: ignore[attr-defined]
+                what="the shared placement to be on")  # fmt: skip
     return source, ready_set, stats
 
 
