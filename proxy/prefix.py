@@ -2,8 +2,11 @@
 
 A model server keeps the KV cache of recent prompts; a request whose prompt
 starts like an earlier one on the same replica skips most of its prefill. This
-policy sends requests that share a prompt prefix to the same replica, with no
-learned state shared between proxies (docs/routing.md has the user-facing story):
+policy sends requests that share a prompt prefix to the same replica
+(docs/routing.md has the user-facing story). With `placement: capacity` (or `auto`
+once the Redis source shares it) a new prompt family is placed by load and free
+cache capacity instead of by the rendezvous order (proxy/placement.py, and
+proxy/sources/placement.py for the sharing); the rest is as follows:
 
 - **Key** (`request_key`), from the raw body bytes, no JSON parse: the bytes
   from `"messages"` (chat) or `"prompt"` (completions) on, cut into blocks of
