@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.readyset import ReadySet
-from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 
 
 class Req:
@@ -27,10 +27,14 @@ class Req:
 
 
 def run(policy: str, bodies: list[bytes], n: int = 20000) -> float:
+    """`policy` may name a prefix placement: `prefix/rendezvous`."""
+    policy, _, placement = policy.partition("/")
+    options = PrefixOptions(placement=placement) if placement else None
     ready = ReadySet()
     replicas = [ReadyReplica(id=i, url=f"http://10.0.0.{i}:8000", version=1) for i in range(1, 5)]
     ready.apply(ReadySnapshot(service="s", generation=1, published_at=0.0, status="READY",
-                              policy=policy, active_versions=[1], replicas=replicas))
+                              policy=policy, active_versions=[1], replicas=replicas,
+                              prefix_options=options))
     requests = [Req(b) for b in bodies]
     for r in ready.replicas:
         r.inflight = random.randint(0, 3)
@@ -50,9 +54,9 @@ def main() -> None:
         bodies.append(json.dumps({"model": "m", "messages": [
             {"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]}
         ).encode())  # fmt: skip
-    for policy in ("least_load", "p2c", "prefix"):
+    for policy in ("least_load", "p2c", "prefix", "prefix/rendezvous"):
         best = min(run(policy, bodies) for _ in range(5))
-        print(f"{policy:>10}: {best:.2f} us per decision (best of 5 x 20,000)")
+        print(f"{policy:>17}: {best:.2f} us per decision (best of 5 x 20,000)")
 
 
 if __name__ == "__main__":

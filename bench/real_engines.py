@@ -61,16 +61,20 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from controlplane.redisserver import EmbeddedRedis  # noqa: E402
+from controlplane.store import Store  # noqa: E402
 from tests.support import llama  # noqa: E402
+from tests.support.builders import registered, replica  # noqa: E402
 from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
 
-TARGETS = ("round_robin", "least_load", "prefix", "sglang", "smg")
+TARGETS = ("round_robin", "least_load", "prefix", "prefix_hash", "sglang", "smg")
 LABELS = {
     "round_robin": "sluice `round_robin`",
     "least_load": "sluice `least_load`",
     "prefix": "sluice `prefix`",
+    "prefix_hash": "sluice `prefix`, placement: rendezvous",
     "sglang": "sglang-router 0.3.2 `cache_aware`",
     "smg": "smg 1.13.0 `cache_aware`",
 }
@@ -159,11 +163,13 @@ async def one_turn(
 
 
 async def conversation(
-    http: aiohttp.ClientSession, url: str, system: str, arrival: Arrival, max_tokens: int,
-    result: Result,
+    http: aiohttp.ClientSession, urls: list[str], system: str, arrival: Arrival,
+    max_tokens: int, result: Result, index: int = 0,
 ) -> None:  # fmt: skip
+    """One arrival's turns; with several proxies, turn i goes to proxy index + i."""
     messages = [{"role": "system", "content": system}]
     for i, question in enumerate(arrival.questions):
+        url = urls[(index + i) % len(urls)]
         if i:
             await asyncio.sleep(arrival.thinks[i - 1])  # the user reads, then types
         messages.append({"role": "user", "content": question})
@@ -173,19 +179,21 @@ async def conversation(
         messages.append({"role": "assistant", "content": reply})
 
 
-async def drive(url: str, families: list[str], arrivals: list[Arrival], max_tokens: int,
-                limit: float) -> Result:  # fmt: skip
+async def drive(url: str | list[str], families: list[str], arrivals: list[Arrival],
+                max_tokens: int, limit: float) -> Result:  # fmt: skip
     """Open loop: each arrival starts at its time, whatever the others are doing."""
     result = Result()
+    urls = [url] if isinstance(url, str) else url
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as http:  # fmt: skip
         start = time.monotonic()
         tasks = []
-        for arrival in arrivals:
+        for n, arrival in enumerate(arrivals):
             await asyncio.sleep(max(0.0, start + arrival.at - time.monotonic()))
             tasks.append(asyncio.create_task(
-                conversation(http, url, families[arrival.family], arrival, max_tokens, result)
+                conversation(http, urls, families[arrival.family], arrival, max_tokens, result,
+                             n)
             ))  # fmt: skip
         _, late = await asyncio.wait(tasks, timeout=limit)
         for task in late:
@@ -218,15 +226,39 @@ def _answers(port: int, path: str) -> bool:
 
 @contextlib.contextmanager
 def router(target: str, urls: list[str], log_dir: Path,
-           peers: dict[str, Path]) -> Iterator[str]:  # fmt: skip
-    """The target's router in front of `urls`; yields its URL once it routes to all."""
-    if target in ("round_robin", "least_load", "prefix"):
+           peers: dict[str, Path], slots: int = 0, n_proxies: int = 1,
+           ) -> Iterator[str | list[str]]:  # fmt: skip
+    """The target's router in front of `urls`; yields its URL once it routes to all.
+
+    sluice's `prefix` is told the servers' `slots` (what the engine view would say with
+    a controller; this bench runs no controller). With `n_proxies` > 1, sluice runs that
+    many proxies on a real redis-server (the replicas registered as a service, so the
+    proxies share their placement) and yields their URLs."""
+    if target in ("round_robin", "least_load", "prefix", "prefix_hash"):
         proxies = ProxyFactory(log_dir)
+        extra: list[str] = []
+        if target == "prefix":
+            extra = ["--prefix-placement", "capacity", "--prefix-replica-families", str(slots)]
+        elif target == "prefix_hash":
+            target, extra = "prefix", ["--prefix-placement", "rendezvous"]
+        server = None
         try:
-            proxy = proxies("--policy", target, "--log-level", "WARNING", replicas=urls)
-            yield proxy.url
+            if n_proxies <= 1:
+                proxy = proxies("--policy", target, "--log-level", "WARNING", *extra,
+                                replicas=urls)
+                yield proxy.url
+                return
+            server = EmbeddedRedis(log_dir / "redis")
+            server.start()
+            asyncio.run(_register(server.url, urls))
+            started = [proxies("--policy", target, "--log-level", "WARNING", *extra,
+                               "--redis", server.url, "--service", "svc", wait="ready")
+                       for _ in range(n_proxies)]  # fmt: skip
+            yield [p.url for p in started]
         finally:
             proxies.close()
+            if server is not None:
+                server.stop()
         return
     port = free_port()
     common = ["--host", HOST, "--port", str(port), "--policy", "cache_aware",
@@ -248,6 +280,14 @@ def router(target: str, urls: list[str], log_dir: Path,
         yield f"http://{HOST}:{port}"
     finally:
         proc.stop(timeout=5.0)
+
+
+async def _register(redis_url: str, urls: list[str]) -> None:
+    """`urls` as the READY replicas of service "svc" (what the controller would commit)."""
+    async with Store.from_url(redis_url) as store:
+        await registered(store, spec=b"{}")
+        await store.commit("svc", replica_updates=[
+            replica(i + 1, url=u) for i, u in enumerate(urls)])  # fmt: skip
 
 
 # -- one cell -------------------------------------------------------------------------
@@ -281,7 +321,8 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
     try:
         servers = factory(args.servers, slots=args.slots, threads=args.threads,
                           cache_ram=0, ctx=args.slots * args.slot_ctx)  # fmt: skip
-        with router(target, [s.url for s in servers], log_dir, peers) as url:
+        with router(target, [s.url for s in servers], log_dir, peers, args.slots,
+                    args.proxies if target in ("prefix", "prefix_hash") else 1) as url:
             # One tiny request per server's worth, so a router's lazy setup is not timed;
             # its few tokens are subtracted (the counters are read after it).
             warm = asyncio.run(drive(url, ["warm up"], [Arrival(0.0, 0, ("hi",), ())],
@@ -364,6 +405,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--proxies", type=int, default=1,
+                   help="sluice prefix targets: this many proxies on a real redis-server")
     p.add_argument("--sglang-python", help="python of a venv with sglang-router")
     p.add_argument("--smg", help="the smg executable")
     p.add_argument("--json", type=Path, help="write every cell here")
@@ -404,7 +447,8 @@ def main() -> int:
           f"{args.slot_ctx} tokens a slot, --cache-ram 0); {args.families} families of "
           f"~{args.prefix_tokens} tokens, zipf {args.zipf}, {args.rate} arrivals/s for "
           f"{args.duration:.0f} s, {args.session_share:.0%} sessions of {args.turns} turns; "
-          f"{args.seeds} seed(s), mean (min to max); load average {load:.2f}\n")  # fmt: skip
+          f"{args.seeds} seed(s), mean (min to max); {args.proxies} sluice proxies; "
+          f"load average {load:.2f}\n")  # fmt: skip
     print(table(cells))
     if args.json:
         record = {"args": {k: str(v) for k, v in vars(args).items()},

@@ -61,6 +61,8 @@ _PREFIX_FLAGS = {
     "prefix_user_field": "user_field",
     "prefix_epsilon": "epsilon",
     "prefix_lru_size": "lru_size",
+    "prefix_placement": "placement",
+    "prefix_replica_families": "replica_families",
 }
 
 
@@ -157,6 +159,14 @@ class _ProxyCommand(click.Command):
 @click.option("--prefix-bytes", type=click.IntRange(16, 1 << 20), default=None,
               help="prefix policy: request body bytes read before routing. "
                    f"[default: {PREFIX_DEFAULTS.prefix_bytes}]")
+@click.option("--prefix-placement", type=click.Choice(["auto", "capacity", "rendezvous"]),
+              default=None, help="prefix policy: place a new prompt family by load and "
+                   "free cache capacity, by the hash alone, or (auto) by capacity once "
+                   "shared through Redis. "
+                   f"[default: {PREFIX_DEFAULTS.placement}]")
+@click.option("--prefix-replica-families", type=click.IntRange(0, 1 << 16), default=None,
+              help="prefix policy: families a replica's cache holds when its engine does "
+                   "not report its slots (0: 4).")
 @click.option("--prefix-lru-size", type=click.IntRange(0), default=None,
               help="prefix policy: entries of the longest-prefix memory. "
                    f"[default: {PREFIX_DEFAULTS.lru_size}]")
@@ -240,7 +250,8 @@ def proxy_command(
     sync_relay: str | None, policy: str | None, target_qps: tuple[str, ...],
     prefix_epsilon: float | None, prefix_session_header: str | None,
     prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
-    prefix_lru_size: int | None, engine_load: bool, pool_size: int, pool_grace: float,
+    prefix_lru_size: int | None, prefix_placement: str | None,
+    prefix_replica_families: int | None, engine_load: bool, pool_size: int, pool_grace: float,
     retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
     stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
@@ -264,6 +275,7 @@ def proxy_command(
         "prefix_epsilon": prefix_epsilon, "prefix_session_header": prefix_session_header,
         "prefix_user_field": prefix_user_field, "prefix_block_bytes": prefix_block_bytes,
         "prefix_bytes": prefix_bytes, "prefix_lru_size": prefix_lru_size,
+        "prefix_placement": prefix_placement, "prefix_replica_families": prefix_replica_families,
     }
     config = ProxyConfig(
         host=host, port=port, admin_host=admin_host,

@@ -187,6 +187,9 @@ class ProxyCollector:
         yield CounterMetricFamily("sluice_snapshots_rejected",
                                   "Snapshot payloads that failed validation",
                                   value=stats.snapshots_rejected)
+        yield CounterMetricFamily("sluice_placements_skipped",
+                                  "Shared prefix placement entries skipped (malformed, "
+                                  "unknown replica)", value=stats.placements_skipped)
         yield _histogram("sluice_snapshot_propagation_seconds",
                          "Snapshot published_at to applied by this proxy", stats.propagation)
         yield CounterMetricFamily("sluice_skyserve_timestamps_dropped",

@@ -2,8 +2,11 @@
 
 A model server keeps the KV cache of recent prompts; a request whose prompt
 starts like an earlier one on the same replica skips most of its prefill. This
-policy sends requests that share a prompt prefix to the same replica, with no
-learned state shared between proxies (docs/routing.md has the user-facing story):
+policy sends requests that share a prompt prefix to the same replica
+(docs/routing.md has the user-facing story). With `placement: capacity` (or `auto`
+once the Redis source shares it) a new prompt family is placed by load and free
+cache capacity instead of by the rendezvous order (proxy/placement.py, and
+proxy/sources/placement.py for the sharing); the rest is as follows:
 
 - **Key** (`request_key`), from the raw body bytes, no JSON parse: the bytes
   from `"messages"` (chat) or `"prompt"` (completions) on, cut into blocks of
@@ -50,6 +53,7 @@ from collections.abc import Sequence
 from zlib import crc32
 
 from proxy.interfaces import Policy, ReplicaView, Routable
+from proxy.placement import PlacementTable
 from proxy.wire.snapshot import PrefixOptions
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
@@ -179,6 +183,22 @@ class PrefixPolicy:
         # replica URL -> [affinity, spill, fallback]; kept across snapshots.
         self.routed: dict[str, list[int]] = {}
         self._counts: dict[ReplicaView, list[int]] = {}
+        # Placement by load and free cache capacity (proxy/placement.py); None: rendezvous.
+        self.placement: PlacementTable | None = None
+        if opts.placement == "capacity":
+            self.enable_placement()
+
+    def enable_placement(self) -> None:
+        """Place families by load and capacity from now on (`placement: capacity`, or
+        `auto` once the Redis source shares the placement: proxy/sources/placement.py)."""
+        if self.placement is not None:
+            return
+        opts = self.options
+        table = PlacementTable(
+            default_capacity=opts.replica_families, window_tokens=opts.prefix_bytes // 4,
+            ttl=opts.placement_ttl, max_families=max(64, opts.lru_size // 4))
+        table.update(self._replicas)
+        self.placement = table
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
@@ -189,6 +209,8 @@ class PrefixPolicy:
         for r in self._replicas:
             counts[r] = self.routed.setdefault(r.url, [0, 0, 0])
         self._counts = counts
+        if self.placement is not None:
+            self.placement.update(self._replicas)
 
     def order_for(self, slot: int) -> tuple[ReplicaView, ...]:
         order = self._orders[slot]
@@ -220,6 +242,8 @@ class PrefixPolicy:
         # unshared traffic balances like least_load); a known one, or a session, may
         # take (1 + epsilon) x the mean: its cache is worth waiting for.
         factor = self._load_factor if len(key) == 1 else 1.0
+        if self.placement is not None:
+            return self._choose_placed(key, exclude, factor, -1)
         return self._choose_agreed(key, exclude, factor, -1, None)
 
     def _choose_known(self, key: tuple[int, ...],
@@ -239,6 +263,10 @@ class PrefixPolicy:
             factor = self._load_factor
             if hit.left_at is not None or (exclude is not None and hit in exclude):
                 break
+            if self.placement is not None:
+                fam = self.placement.families.get(key[0])
+                if fam is not None and fam.moved_from is hit:
+                    break  # another proxy placed the family first: follow it there
             lru.move_to_end(key[d])  # refresh: most recent last
             load = hit.inflight + hit.engine_queue
             if load:
@@ -246,6 +274,8 @@ class PrefixPolicy:
                 if load >= capacity:
                     return self._spill(key, d, exclude, capacity)
             return self._routed_known(key, d, hit, AFFINITY)
+        if self.placement is not None:
+            return self._choose_placed(key, exclude, factor, capacity)
         return self._choose_agreed(key, exclude, factor, capacity, None)
 
     def _spill(self, key: tuple[int, ...], d: int, exclude: set[ReplicaView] | None,
@@ -253,6 +283,8 @@ class PrefixPolicy:
         """The replica of known block `key[d]` is over the bound: spill where this prefix
         spilled before (it is cached there too), so a hot prefix occupies two replicas'
         caches, not every replica's; else walk the rendezvous order."""
+        if self.placement is not None:
+            return self._choose_placed(key, exclude, self._load_factor, capacity)
         full = key[d]
         alt = self._spilled.get(full)
         if (alt is not None and alt.left_at is None
@@ -316,6 +348,64 @@ class PrefixPolicy:
             for h in key[1:]:
                 if h not in lru:
                     lru[h] = pin
+            while len(lru) > self._lru_size:
+                lru.popitem(last=False)
+        self._counts[chosen][reason] += 1
+        return chosen
+
+    def _choose_placed(self, key: tuple[int, ...], exclude: set[ReplicaView] | None,
+                       factor: float, capacity: int) -> ReplicaView | None:
+        """Step 2 with placement (proxy/placement.py): the family's primary, else its
+        secondary, within the bound; a family not placed yet (or both saturated) gets
+        the replica with the lowest load and free cache capacity."""
+        table = self.placement
+        assert table is not None
+        fid = key[0]
+        fam = table.families.get(fid)
+        chosen: ReplicaView | None = None
+        reason = AFFINITY
+        if fam is not None:
+            table.families.move_to_end(fid)
+            fam.used = table.now
+            if factor != self._load_factor:
+                factor = self._load_factor  # a placed family: its cache is worth the wait
+                capacity = -1
+            for r in (fam.primary, fam.secondary):
+                if r is None or r.left_at is not None or (exclude is not None and r in exclude):
+                    continue
+                load = r.inflight + r.engine_queue
+                if load:
+                    if capacity < 0:
+                        capacity = self._capacity(factor)
+                    if load >= capacity:
+                        reason = SPILL
+                        continue
+                chosen = r
+                break
+            if chosen is not None and chosen is fam.secondary:
+                fam.secondary_used = table.now
+                reason = SPILL
+        if chosen is None:
+            if capacity < 0:
+                capacity = self._capacity(factor)
+            chosen = table.place(self.order_for(fid & (SLOTS - 1)), exclude, capacity,
+                                 fam.primary if fam is not None else None)
+            if chosen is None:
+                return self._fall_back(exclude)
+            if fam is None:
+                table.add(fid, chosen)
+            elif (fam.primary.left_at is not None
+                  or (exclude is not None and fam.primary in exclude)):
+                table.move(fam, chosen)  # its replica is gone or failed: the family moves
+            else:
+                fam.secondary = chosen  # saturated: the overflow moves here
+                fam.secondary_used = table.now
+                reason = SPILL
+        if len(key) > 1 and self._lru_size:
+            lru = self._lru
+            for h in key[1:]:
+                if h not in lru:
+                    lru[h] = chosen
             while len(lru) > self._lru_size:
                 lru.popitem(last=False)
         self._counts[chosen][reason] += 1

@@ -39,6 +39,7 @@ class Stats:
         self.resumes: dict[tuple[str, str, str], int] = {}
         # Ready-set source figures, set by the source (Redis subscriber, Sky Serve sync).
         self.snapshots_rejected = 0
+        self.placements_skipped = 0  # shared placement entries that failed to parse
         self.propagation = Histogram()  # published_at -> applied (seconds)
         self.source_connected = 0  # 1 when the source is reachable
         # Drop-in mode: request timestamps dropped unsent (older than the autoscaler's window).

@@ -148,7 +148,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     # never the app, the runner or the CLI
     "proxy.sources": ("proxy.wire", "proxy.config", "proxy.errors", "proxy.readyset",
                       "proxy.stats", "proxy.stopping", "proxy.compat", "proxy.redisurl",
-                      "proxy.tally"),
+                      "proxy.tally", "proxy.placement"),
     # display shows ops' views and escapes what Redis holds; the decisions read the spec
     "controlplane": (_CP + "servicespec", _CP + "ops", _CP + "store.untrusted",
                      *CONTROLPLANE_MAY_IMPORT),

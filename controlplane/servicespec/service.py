@@ -153,6 +153,9 @@ class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     user_field: bool = False
     epsilon: PosFloat = 1.0
     lru_size: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
+    placement: Literal["auto", "capacity", "rendezvous"] = "auto"
+    replica_families: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    placement_ttl: Annotated[float, Meta(ge=1, le=86400)] = 300.0
 
     def __post_init__(self) -> None:
         if self.block_bytes > self.prefix_bytes:

@@ -49,6 +49,7 @@ from controlplane.store.untrusted import (
     ENFORCE_BOUNDS,
     MAX_FIELDS,
     MAX_HASH_BYTES,
+    MAX_PLACEMENT_FIELDS,
     Rejects,
 )
 from proxy.redisurl import client_from_url, redis_tls_options
@@ -317,14 +318,17 @@ class Store:
 
     async def enforce_bounds(self, name: str) -> int:
         """Delete whichever of the service's proxy-written hashes (rps, inflight,
-        proxies) is over its bounds (untrusted.py), unread; returns how many. The deletes
-        work under `noeviction` at maxmemory, so a Redis filled through a proxy's user
-        gets its memory back (counted in `rejects`)."""
+        proxies; placement, which the proxies size and trim themselves, with a larger
+        field bound) is over its bounds (untrusted.py), unread; returns how many. The
+        deletes work under `noeviction` at maxmemory, so a Redis filled through a proxy's
+        user gets its memory back (counted in `rejects`)."""
         keys = [self.keys.rps(name), self.keys.inflight(name), self.keys.proxies(name)]
         with redis_errors():
             deleted = int(await self._enforce_bounds(keys=keys, args=[MAX_FIELDS, MAX_HASH_BYTES]))
+            deleted += int(await self._enforce_bounds(
+                keys=[self.keys.placement(name)], args=[MAX_PLACEMENT_FIELDS, MAX_HASH_BYTES]))
         if deleted:
-            self.rejects.reject(name, "hash", f"{deleted} hash(es) over {MAX_FIELDS} fields "
+            self.rejects.reject(name, "hash", f"{deleted} hash(es) over their field bound "
                                 f"or {MAX_HASH_BYTES} bytes: deleted", deleted)  # fmt: skip
         return deleted
 

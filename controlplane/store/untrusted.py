@@ -40,6 +40,9 @@ log = logging.getLogger("sluice.store")
 MAX_FIELDS = 4096
 #: ... or taking more than this many bytes of Redis memory (MEMORY USAGE).
 MAX_HASH_BYTES = 8 * 1024 * 1024
+#: The shared placement hash of the `prefix` policy: the proxies cap it at 16 entries
+#: per family slot of the fleet (proxy/sources/placement.py); past this it is deleted.
+MAX_PLACEMENT_FIELDS = 65536
 #: A field name longer than this is skipped (proxy ids are host:pid; seconds 10 digits).
 MAX_FIELD_BYTES = 256
 #: A value longer than this is skipped (an in-flight entry of 1,000 busy replicas is

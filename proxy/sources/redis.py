@@ -62,6 +62,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
+from proxy.sources.placement import PlacementSync
 from proxy.stats import Stats
 from proxy.stopping import bounded, stop_tasks
 from proxy.tally import RoutedTally, cut_total, response_classes
@@ -138,6 +139,8 @@ class RedisSource:
         self._sync_task: asyncio.Task[None] | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self._demand_task: asyncio.Task[None] | None = None
+        self._placement_task: asyncio.Task[None] | None = None
+        self.placement: PlacementSync | None = None  # the prefix policy's shared placement
         self._demand = asyncio.Event()
         self._synced = asyncio.Event()
         self._failures = 0  # consecutive failed sessions; drives the backoff
@@ -176,6 +179,11 @@ class RedisSource:
         self._sync_task = asyncio.create_task(self._sync_loop(), name="sluice-redis-sync")
         self._flush_task = asyncio.create_task(self._flush_loop(), name="sluice-rps-flush")
         self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
+        self.placement = PlacementSync(
+            self._client, ready_set, self._stats, key=self._keys.placement(self._service),
+            channel=self._keys.placed(self._service), clock=self._clock)
+        self._placement_task = asyncio.create_task(
+            self.placement.run(lambda: self._closing), name="sluice-placement")
         ready_set.set_hold_listener(self._demand.set)
         with contextlib.suppress(asyncio.TimeoutError):
             async with timeout(self._start_timeout):
@@ -187,8 +195,9 @@ class RedisSource:
         self._closing = True
         if self._ready_set is not None:
             self._ready_set.set_hold_listener(None)
-        await stop_tasks((self._sync_task, self._flush_task, self._demand_task), 1.0)
-        self._sync_task = self._flush_task = self._demand_task = None
+        await stop_tasks((self._sync_task, self._flush_task, self._demand_task,
+                          self._placement_task), 1.0)  # fmt: skip
+        self._sync_task = self._flush_task = self._demand_task = self._placement_task = None
         client, self._client = self._client, None
         if client is not None:
             await bounded(self._flush(client), min(0.5, self._command_timeout),

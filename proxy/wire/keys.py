@@ -18,6 +18,9 @@ Prefix configurable, default `sluice`; `Keys` names each one:
     {p}:svc:{name}:autoscaler     string   last AutoscalerStatus (JSON; controller writes)
     {p}:svc:{name}:engines        string   EngineView JSON: each READY replica's engine
                                            telemetry (controller writes, TTL; proxies read)
+    {p}:svc:{name}:placement      hash     prompt family (hex) -> "at url": where the
+                                           `prefix` policy placed it (proxies HSETNX, TTL)
+    {p}:svc:{name}:placed         channel  placements just made (proxies publish)
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)
     {p}:leader                    string   controller leader lease (with TTL)
@@ -104,6 +107,14 @@ class Keys:
     def engines(self, name: str) -> str:
         """String holding the EngineView JSON the controller scraped (with a TTL)."""
         return f"{self.prefix}:svc:{name}:engines"
+
+    def placement(self, name: str) -> str:
+        """Hash family -> "at url" the `prefix` policy shares (proxy/sources/placement.py)."""
+        return f"{self.prefix}:svc:{name}:placement"
+
+    def placed(self, name: str) -> str:
+        """Channel announcing the placements a proxy just won (same lines as the hash)."""
+        return f"{self.prefix}:svc:{name}:placed"
 
     def events(self, name: str) -> str:
         """Stream of audit events."""

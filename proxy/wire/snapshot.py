@@ -38,7 +38,12 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     `session_header`: a header whose value is the key (empty: none);
     `user_field`: the JSON `user` field is the key when present; `epsilon`: bounded
     load, a replica with more than (1 + epsilon) x the mean in flight is skipped;
-    `lru_size`: entries of the per-proxy longest-prefix memory (0: off).
+    `lru_size`: entries of the per-proxy longest-prefix memory (0: off);
+    `placement`: how a new prompt family gets its replica, "capacity" (by load and free
+    cache capacity: proxy/placement.py), "rendezvous" (the hash alone) or "auto"
+    (capacity once the placement is shared through Redis, else rendezvous);
+    `replica_families`: families a replica's cache holds when its engine does not say
+    (0: 4); `placement_ttl`: seconds a family stays placed after its last request.
     """
 
     block_bytes: int = 256
@@ -47,6 +52,9 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     user_field: bool = False
     epsilon: float = 1.0
     lru_size: int = 16384
+    placement: str = "auto"
+    replica_families: int = 0
+    placement_ttl: float = 300.0
 
     def __post_init__(self) -> None:
         if not 16 <= self.block_bytes <= self.prefix_bytes:
@@ -58,6 +66,14 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"prefix.epsilon must be > 0, got {self.epsilon}")
         if self.lru_size < 0:
             raise ValueError(f"prefix.lru_size must be >= 0, got {self.lru_size}")
+        if self.placement not in ("auto", "capacity", "rendezvous"):
+            raise ValueError(f"prefix.placement must be auto, capacity or rendezvous, "
+                             f"got {self.placement!r}")
+        if not 0 <= self.replica_families <= 1 << 16:
+            raise ValueError(f"prefix.replica_families must be 0-65536, "
+                             f"got {self.replica_families}")
+        if not 1 <= self.placement_ttl <= 86400:
+            raise ValueError(f"prefix.placement_ttl must be 1-86400 s, got {self.placement_ttl}")
 
 
 class ReadySnapshot(msgspec.Struct, frozen=True, kw_only=True):

@@ -165,6 +165,7 @@ def snapshot(gen: int, *urls: str, options: PrefixOptions | None = None) -> Read
 
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]
+RDV = PrefixOptions(placement="rendezvous")  # the hash alone: what these tests are about
 
 
 def bodies(n: int, seed: int = 7) -> list[bytes]:
@@ -218,7 +219,7 @@ def test_set_changes_move_only_the_affected_keys() -> None:
     """The rendezvous choice (the LRU off: it would keep every key it saw in place)."""
     ready = ReadySet()
     payloads = bodies(4000, seed=3)
-    no_lru = PrefixOptions(lru_size=0)
+    no_lru = PrefixOptions(lru_size=0, placement="rendezvous")
     ready.apply(snapshot(1, *URLS[:4], options=no_lru))
     before = choices(ready, payloads)
     ready.apply(snapshot(2, *URLS[:5], options=no_lru))  # one replica joins
@@ -238,9 +239,9 @@ def test_set_changes_move_only_the_affected_keys() -> None:
 def test_with_the_lru_a_joining_replica_takes_only_new_prefixes() -> None:
     ready = ReadySet()
     seen, fresh = bodies(1000, seed=3), bodies(1000, seed=4)
-    ready.apply(snapshot(1, *URLS[:4]))
+    ready.apply(snapshot(1, *URLS[:4], options=RDV))
     before = choices(ready, seen)
-    ready.apply(snapshot(2, *URLS[:5]))
+    ready.apply(snapshot(2, *URLS[:5], options=RDV))
     assert choices(ready, seen) == before  # cached where they are: nothing moves
     share = choices(ready, fresh).count(URLS[4]) / len(fresh)
     assert 0.15 < share < 0.25, share
@@ -248,7 +249,7 @@ def test_with_the_lru_a_joining_replica_takes_only_new_prefixes() -> None:
 
 def test_bounded_load_spills_to_the_next_in_rendezvous_order() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="rendezvous")))
     body = bodies(1)[0]
     first = ready.choose(None, Req(body))
     assert first is not None
@@ -273,7 +274,8 @@ def rank(ready: ReadySet, body: bytes) -> list[object]:
     """The rendezvous order for `body` (no LRU, idle replicas)."""
     fresh = ReadySet()
     assert ready.snapshot is not None
-    fresh.apply(msgspec.structs.replace(ready.snapshot, prefix_options=PrefixOptions(lru_size=0)))
+    options = PrefixOptions(lru_size=0, placement="rendezvous")
+    fresh.apply(msgspec.structs.replace(ready.snapshot, prefix_options=options))
     order: list[object] = []
     while len(order) < len(ready.replicas):
         nxt = fresh.choose({r for r in fresh.replicas if r.url in order}, Req(body))
@@ -284,7 +286,7 @@ def rank(ready: ReadySet, body: bytes) -> list[object]:
 
 def test_a_prefix_never_seen_goes_no_higher_than_the_mean_and_is_then_known() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
+    ready.apply(snapshot(1, *URLS[:4], options=RDV))
     body = bodies(1, seed=11)[0]
     order = rank(ready, body)
     by_url = {r.url: r for r in ready.replicas}

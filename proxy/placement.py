@@ -1,0 +1,224 @@
+"""Where each prompt family lives: placement by load and free cache capacity.
+
+A *family* is a routing key's first element (the first block's chain hash, or a
+session's hash): the requests the `prefix` policy sends to one replica's cache.
+The rendezvous order alone (proxy/prefix.py) is blind to load and to how many
+families a replica can keep: on 4 llama.cpp servers with 2 slots each it put 3
+of 8 families on one server, whose slots then evicted each other. This table
+decides instead, for a family it does not know:
+
+1. among the replicas not excluded and still in the set, those within the
+   load bound (the caller's: the mean in flight for a new family);
+2. of these, one with free cache capacity (families placed there < its
+   capacity: llama.cpp's slots from the engine view, else the KV capacity in
+   tokens over the key window's tokens, else the configured default);
+3. then the lowest load (in flight + engine queue), then the fewest families
+   for its capacity; the family's rendezvous order breaks the remaining ties
+   (so proxies with the same view decide the same).
+
+A known family goes to its primary while that is within the (1 + epsilon)
+bound, else to its secondary (a hot family spills to one more replica only
+when its own is saturated), else to a new secondary chosen as above (the
+overflow moves). A primary that left the set is replaced (the family moves).
+Secondaries unused for `ttl / 4` and families unused for `ttl` are dropped by
+`refresh()` (called off the request path, about once a second); the table
+holds at most `max_families` (oldest use first out).
+
+Shared placement (proxy/sources/redis.py): every family this proxy placed is
+queued in `outbox` (bounded); the source publishes them first-writer-wins and
+`adopt()`s what the other proxies placed, so all proxies converge on one
+primary per family. Without Redis the table is this proxy's own decisions.
+Everything here is synchronous and allocation-light: a known family costs one
+dict lookup and a move_to_end; a new one a walk over the replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from proxy.interfaces import ReplicaView
+
+DEFAULT_CAPACITY = 4  # families a replica holds when neither engine nor config says
+DEFAULT_TTL = 300.0  # s; about an engine's prompt-cache lifetime under load
+MAX_OUTBOX = 4096
+
+
+class Family:
+    """One family's replicas: `primary` (where it is placed), `secondary` (its spill)."""
+
+    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used")
+
+    def __init__(self, primary: ReplicaView, now: float) -> None:
+        self.primary = primary
+        self.secondary: ReplicaView | None = None
+        self.used = now
+        self.secondary_used = 0.0
+        # The primary this proxy had before adopting another proxy's: the longest-prefix
+        # memory's entries pointing there are stale (proxy/prefix.py skips them).
+        self.moved_from: ReplicaView | None = None
+
+
+def engine_capacity(replica: ReplicaView, window_tokens: int, default: int) -> int:
+    """Families `replica` can keep cached: its engine's slots, else KV tokens / window."""
+    engine: Any = getattr(replica, "engine", None)
+    if engine is not None:
+        slots = engine.slots
+        if slots:
+            return int(slots)
+        kv = engine.kv_capacity_tokens
+        if kv:
+            return max(1, int(kv) // max(1, window_tokens))
+    return default
+
+
+class PlacementTable:
+    """family -> Family, with per-replica family counts; see the module docstring."""
+
+    def __init__(self, *, default_capacity: int = DEFAULT_CAPACITY, window_tokens: int = 4096,
+                 ttl: float = DEFAULT_TTL, max_families: int = 16384) -> None:
+        self.default_capacity = default_capacity or DEFAULT_CAPACITY
+        self.window_tokens = window_tokens
+        self.ttl = ttl
+        self.max_families = max(1, max_families)
+        self.families: OrderedDict[int, Family] = OrderedDict()
+        self.placed: dict[ReplicaView, int] = {}
+        self.capacity: dict[ReplicaView, int] = {}
+        self.by_url: dict[str, ReplicaView] = {}
+        # (family, replica URL) placed here and not yet published (drained by the source).
+        self.outbox: list[tuple[int, str]] = []
+        # A coarse clock, set by refresh(): no clock read on the request path.
+        self.now = time.time()
+
+    # -- off the request path -------------------------------------------------------------
+
+    def update(self, replicas: Sequence[ReplicaView]) -> None:
+        """A new replica set: families on replicas gone move to their secondary or go."""
+        live = set(replicas)
+        self.by_url = {r.url: r for r in replicas}
+        self.placed = {r: 0 for r in replicas}
+        for fid in list(self.families):
+            fam = self.families[fid]
+            if fam.secondary is not None and fam.secondary not in live:
+                fam.secondary = None
+            if fam.primary not in live:
+                if fam.secondary is None:
+                    del self.families[fid]
+                    continue
+                fam.primary, fam.secondary = fam.secondary, None
+            self.placed[fam.primary] += 1
+        self.refresh_capacity()
+
+    def refresh_capacity(self) -> None:
+        self.capacity = {r: engine_capacity(r, self.window_tokens, self.default_capacity)
+                         for r in self.placed}
+
+    def refresh(self, now: float) -> int:
+        """Advance the clock, drop stale secondaries and families; returns families dropped."""
+        self.now = now
+        self.refresh_capacity()
+        dropped = 0
+        cut = now - self.ttl
+        families = self.families
+        while families:
+            fid, fam = next(iter(families.items()))
+            if fam.used >= cut:
+                break
+            del families[fid]
+            self._uncount(fam.primary)
+            dropped += 1
+        spill_cut = now - self.ttl / 4
+        for fam in families.values():
+            if fam.secondary is not None and fam.secondary_used < spill_cut:
+                fam.secondary = None
+        return dropped
+
+    def adopt(self, entries: Iterable[tuple[int, str, float]]) -> int:
+        """Merge placements other proxies published (family, URL, when placed).
+
+        The shared entry wins over this proxy's own (first writer wins in Redis): a
+        family placed elsewhere moves here to that primary. An entry naming a replica
+        this proxy does not know is skipped; returns how many were skipped.
+        """
+        skipped = 0
+        cut = self.now - self.ttl
+        for fid, url, at in entries:
+            replica = self.by_url.get(url)
+            if replica is None or at < cut or at > self.now + 60:
+                skipped += replica is None or at > self.now + 60
+                continue
+            fam = self.families.get(fid)
+            if fam is None:
+                self._add(fid, replica, publish=False)
+            elif fam.primary is not replica:
+                fam.moved_from = fam.primary
+                self._uncount(fam.primary)
+                if fam.secondary is replica:
+                    fam.secondary = None
+                fam.primary = replica
+                self.placed[replica] = self.placed.get(replica, 0) + 1
+        return skipped
+
+    # -- on the request path --------------------------------------------------------------
+
+    def place(self, order: Sequence[ReplicaView], exclude: set[ReplicaView] | None,
+              bound: int, skip: ReplicaView | None = None) -> ReplicaView | None:
+        """The best replica for a family (see the module docstring); None: nobody."""
+        placed = self.placed
+        capacity = self.capacity
+        default = self.default_capacity
+        best: ReplicaView | None = None
+        b_over = b_full = True
+        b_load = 0
+        b_ratio = 0.0
+        for r in order:
+            if r is skip or r.left_at is not None or (exclude is not None and r in exclude):
+                continue
+            load = r.inflight + r.engine_queue
+            over = load >= bound
+            n = placed.get(r, 0)
+            cap = capacity.get(r, default)
+            full = n >= cap
+            if best is not None:
+                if over != b_over:
+                    if over:
+                        continue
+                elif full != b_full:
+                    if full:
+                        continue
+                elif load != b_load:
+                    if load > b_load:
+                        continue
+                elif n / cap >= b_ratio:
+                    continue
+            best, b_over, b_full, b_load, b_ratio = r, over, full, load, n / cap
+        return best
+
+    def add(self, fid: int, replica: ReplicaView) -> None:
+        """This proxy placed `fid` on `replica` (queued for publishing)."""
+        self._add(fid, replica, publish=True)
+
+    def _add(self, fid: int, replica: ReplicaView, *, publish: bool) -> None:
+        families = self.families
+        families[fid] = Family(replica, self.now)
+        self.placed[replica] = self.placed.get(replica, 0) + 1
+        if len(families) > self.max_families:
+            _, old = families.popitem(last=False)
+            self._uncount(old.primary)
+        if publish and len(self.outbox) < MAX_OUTBOX:
+            self.outbox.append((fid, replica.url))
+
+    def move(self, fam: Family, replica: ReplicaView) -> None:
+        """`fam`'s primary is gone or excluded: `replica` is its primary now."""
+        self._uncount(fam.primary)
+        fam.primary = replica
+        if fam.secondary is replica:
+            fam.secondary = None
+        self.placed[replica] = self.placed.get(replica, 0) + 1
+
+    def _uncount(self, replica: ReplicaView) -> None:
+        n = self.placed.get(replica)
+        if n:
+            self.placed[replica] = n - 1

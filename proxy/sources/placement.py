@@ -1,0 +1,273 @@
+"""Shared placement of the `prefix` policy's prompt families through Redis.
+
+Every proxy (and every `--workers` process) places families by load and free
+cache capacity (proxy/placement.py); this task makes them agree, off the
+request path:
+
+- **publish**: every `batch` seconds (20 ms) the families this proxy placed
+  since (the table's `outbox`) are written with HSETNX to the hash
+  `{prefix}:svc:{name}:placement` (field: the family as hex; value:
+  `"<unix time> <replica url>"`): the first writer wins. The same pipeline
+  HGETs each field back: a family another proxy placed first is adopted at
+  once. The winners are PUBLISHed on `{prefix}:svc:{name}:placed` (the same
+  lines), so every other proxy adopts them within one round trip.
+- **follow**: the task subscribes to that channel; and every `scan_interval`
+  (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
+  next tick), adopting what it missed (a proxy that just started, a lost
+  message). An entry older than the TTL, or malformed, is deleted (HDEL) by
+  whoever sees it (one naming a replica not in the set only expires: a proxy
+  may lag a set change);
+  a family this proxy still uses is re-written (HSET) when its entry is older
+  than half the TTL, so a hot family's entry lives on. The key itself expires
+  (EXPIRE ttl on every write) once no proxy writes.
+- **bounded and defensive**: the hash is capped at `max_entries` (from the
+  replicas' cache capacity: 16 x the sum of their capacities, at least 256);
+  a writer skips HSETNX while the last HLEN it saw is at the cap. Entries are
+  parsed line by line: a field that is not hex of at most 8 digits, a value
+  without a finite time (not more than a minute ahead) and a URL of the current
+  ready set, a message over 1 MiB: skipped and counted (`stats.placements_skipped`,
+  `sluice_placements_skipped`), never raised.
+
+With `placement: auto` (the default) this task turns the policy's placement on at
+its first tick: before it (and with no Redis source at all) the policy places by
+rendezvous, as every proxy agrees on that without sharing. Redis down: the loop backs
+off and retries; the table keeps its last view plus
+this proxy's own decisions (never worse than the stateless policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from proxy.placement import PlacementTable
+from proxy.readyset import ReadySet
+from proxy.stats import Stats
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 1 << 20
+MAX_FIELD = 8  # hex digits: families are 32-bit
+MAX_VALUE = 2100  # a time and a URL of at most 2048 bytes
+
+
+def encode_entry(at: float, url: str) -> bytes:
+    return f"{at:.3f} {url}".encode()
+
+
+def parse_entry(field: bytes | str, value: bytes | str) -> tuple[int, float, str] | None:
+    """(family, at, url) of one hash entry, or None when it is malformed."""
+    if isinstance(field, str):
+        field = field.encode()
+    if isinstance(value, str):
+        value = value.encode()
+    if not 0 < len(field) <= MAX_FIELD or len(value) > MAX_VALUE:
+        return None
+    try:
+        fid = int(field, 16)
+        at_raw, _, url_raw = value.partition(b" ")
+        at = float(at_raw)
+        url = url_raw.decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if fid < 0 or not math.isfinite(at) or at < 0 or not url:
+        return None
+    return fid, at, url
+
+
+def parse_lines(payload: bytes) -> tuple[list[tuple[int, str, float]], int]:
+    """A `placed` message: lines of "<family hex> <at> <url>"; (entries, skipped)."""
+    if len(payload) > MAX_MESSAGE:
+        return [], 1
+    entries: list[tuple[int, str, float]] = []
+    skipped = 0
+    for line in payload.split(b"\n"):
+        if not line:
+            continue
+        field, _, value = line.partition(b" ")
+        parsed = parse_entry(field, value)
+        if parsed is None:
+            skipped += 1
+        else:
+            entries.append((parsed[0], parsed[2], parsed[1]))
+    return entries, skipped
+
+
+class PlacementSync:
+    """Publishes and follows the shared placement; see the module docstring."""
+
+    def __init__(self, client: aioredis.Redis, ready_set: ReadySet, stats: Stats, *,
+                 key: str, channel: str, batch: float = 0.02, scan_interval: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._client = client
+        self._ready_set = ready_set
+        self._stats = stats
+        self._key = key
+        self._channel = channel
+        self._batch = batch
+        self._scan_interval = scan_interval
+        self._clock = clock
+        self._cursor = 0
+        self._hlen = 0
+        self._next_scan = 0.0
+        self._failing = False
+        self._warned_skip = False
+        self.published = 0  # entries this proxy won (tests, status)
+        self.adopted_messages = 0
+
+    def table(self) -> PlacementTable | None:
+        policy = self._ready_set.policy
+        options = getattr(policy, "options", None)
+        auto = getattr(options, "placement", None) == "auto"
+        if auto and getattr(policy, "placement", 1) is None:
+            policy.enable_placement()  # type: ignore[attr-defined]  # shared from now on
+        table = getattr(policy, "placement", None)
+        return table if isinstance(table, PlacementTable) else None
+
+    def max_entries(self, table: PlacementTable) -> int:
+        return max(256, 16 * sum(table.capacity.values()))
+
+    async def run(self, closing: Callable[[], bool]) -> None:
+        """Until `closing()`: the listener and the batch loop, reconnecting with backoff."""
+        while not closing():
+            listener = asyncio.create_task(self._listen(), name="sluice-placement-listen")
+            try:
+                while not closing():
+                    await asyncio.sleep(self._batch)
+                    if listener.done():
+                        listener.result()  # re-raise its failure: reconnect
+                    await self.tick()
+                    self._failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the loop's one broad except: back off and retry
+                if not self._failing:
+                    log.warning("shared placement: %s: %s; routing on the last view",
+                                type(exc).__name__, exc)
+                self._failing = True
+            finally:
+                listener.cancel()
+                await asyncio.gather(listener, return_exceptions=True)
+            if not closing():
+                await asyncio.sleep(1.0)
+
+    async def _listen(self) -> None:
+        pubsub: Any = self._client.pubsub()
+        try:
+            await pubsub.subscribe(self._channel)
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                data = msg.get("data")
+                if not isinstance(data, bytes):
+                    continue
+                entries, skipped = parse_lines(data)
+                self.adopted_messages += 1
+                self._adopt(entries, skipped)
+        finally:
+            await pubsub.aclose()
+
+    def _adopt(self, entries: Iterable[tuple[int, str, float]], skipped: int) -> None:
+        table = self.table()
+        if table is not None:
+            skipped += table.adopt(entries)
+        if skipped:
+            self._stats.placements_skipped += skipped
+            if not self._warned_skip:
+                log.warning("shared placement: %d malformed or unknown entries skipped",
+                            skipped)
+                self._warned_skip = True
+
+    async def tick(self) -> None:
+        """One batch: publish the outbox; every scan_interval, refresh and scan."""
+        table = self.table()
+        if table is None:
+            return
+        now = self._clock()
+        if table.outbox:
+            await self._publish(table, now)
+        if now >= self._next_scan:
+            self._next_scan = now + self._scan_interval
+            table.refresh(now)
+            await self._scan(table, now)
+
+    async def _publish(self, table: PlacementTable, now: float) -> None:
+        box, table.outbox = table.outbox, []
+        if self._hlen >= self.max_entries(table):
+            return  # the hash is full: decide locally until entries expire
+        fields = [f"{fid:x}" for fid, _ in box]
+        async with self._client.pipeline(transaction=False) as pipe:
+            for field, (_, url) in zip(fields, box, strict=True):
+                pipe.hsetnx(self._key, field, encode_entry(now, url))
+            for field in fields:
+                pipe.hget(self._key, field)
+            pipe.expire(self._key, int(table.ttl) + 1)
+            results = await pipe.execute()
+        n = len(box)
+        won: list[bytes] = []
+        lost: list[tuple[int, str, float]] = []
+        skipped = 0
+        for i, (field, (fid, url)) in enumerate(zip(fields, box, strict=True)):
+            if results[i]:
+                won.append(f"{field} ".encode() + encode_entry(now, url))
+                continue
+            stored = results[n + i]
+            parsed = parse_entry(field, stored) if stored is not None else None
+            if parsed is None:
+                skipped += stored is not None
+                continue
+            if parsed[2] != url:
+                lost.append((fid, parsed[2], parsed[1]))
+        self._adopt(lost, skipped)
+        if won:
+            self.published += len(won)
+            await self._client.publish(self._channel, b"\n".join(won))
+
+    async def _scan(self, table: PlacementTable, now: float) -> None:
+        cap = self.max_entries(table)
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hlen(self._key)
+            pipe.hscan(self._key, self._cursor, count=cap)
+            hlen, (cursor, found) = await pipe.execute()
+        self._hlen = int(hlen)
+        self._cursor = int(cursor)
+        entries: list[tuple[int, str, float]] = []
+        expired: list[bytes | str] = []
+        refresh: dict[str, bytes] = {}
+        skipped = 0
+        cut = now - table.ttl
+        for field, value in list(found.items())[:cap]:
+            parsed = parse_entry(field, value)
+            if parsed is None:
+                skipped += 1
+                expired.append(field)  # a hostile or broken entry goes
+                continue
+            fid, at, url = parsed
+            if at > now + 60:  # from the future: it would never expire
+                skipped += 1
+                expired.append(field)
+                continue
+            if at < cut:
+                expired.append(field)
+                continue
+            entries.append((fid, url, at))
+            fam = table.families.get(fid)
+            if (at < now - table.ttl / 2 and fam is not None and fam.primary.url == url
+                    and fam.used >= now - table.ttl / 2):
+                refresh[f"{fid:x}"] = encode_entry(now, url)
+        self._adopt(entries, skipped)
+        if expired or refresh:
+            async with self._client.pipeline(transaction=False) as pipe:
+                if expired:
+                    pipe.hdel(self._key, *expired)
+                if refresh:
+                    pipe.hset(self._key, mapping=refresh)  # type: ignore[arg-type]
+                pipe.expire(self._key, int(table.ttl) + 1)
+                await pipe.execute()

@@ -1,0 +1,178 @@
+"""Placement of prompt families by load and free cache capacity (proxy/placement.py,
+the `prefix` policy's default `placement: capacity`): capacity respected, new families
+spread by load, a saturated replica's family spills to one more replica, a family
+whose replica left moves, stale families expire, other proxies' placements adopted."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from controlplane.servicespec.service import PrefixRouting
+from proxy.placement import PlacementTable
+from proxy.prefix import SPILL
+from proxy.readyset import ReadySet
+from proxy.wire.engines import EngineStats
+from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
+from tests.proxy.test_prefix import RDV, URLS, Req, bodies
+from tests.proxy.test_prefix import snapshot as prefix_snapshot
+
+CAP = PrefixOptions(placement="capacity")
+
+
+def snapshot(gen: int, *urls: str, options: PrefixOptions = CAP) -> ReadySnapshot:
+    return prefix_snapshot(gen, *urls, options=options)
+
+
+def family_of(ready: ReadySet, body: bytes) -> int:
+    return ready.policy.key_of(Req(body))[0]  # type: ignore[attr-defined]
+
+
+def placed(ready: ReadySet, families: list[bytes]) -> collections.Counter[str]:
+    out: collections.Counter[str] = collections.Counter()
+    for body in families:
+        chosen = ready.choose(None, Req(body))
+        assert chosen is not None
+        out[chosen.url] += 1
+    return out
+
+
+def with_slots(ready: ReadySet, slots: int) -> None:
+    for r in ready.replicas:
+        r.engine = EngineStats(url=r.url, engine="llamacpp", slots=slots)  # type: ignore[attr-defined]
+    ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # what the source's tick does
+
+
+def test_families_fill_every_replica_to_its_slots_where_rendezvous_piles_them_up() -> None:
+    families = bodies(8, seed=5)
+    rdv = ReadySet()
+    rdv.apply(snapshot(1, *URLS[:4], options=RDV))
+    assert max(placed(rdv, families).values()) >= 3  # the hash alone: one replica thrashes
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    with_slots(ready, 2)
+    assert sorted(placed(ready, families).values()) == [2, 2, 2, 2]
+    # Asked again (idle replicas): every family stays where it was placed.
+    again = {b: ready.choose(None, Req(b)) for b in families}
+    assert {b: ready.choose(None, Req(b)) for b in families} == again
+
+
+def test_capacity_from_the_engine_beats_the_configured_default() -> None:
+    ready = ReadySet()
+    one_each = PrefixOptions(replica_families=1, placement="capacity")
+    ready.apply(snapshot(1, *URLS[:2], options=one_each))
+    by_url = {r.url: r for r in ready.replicas}
+    by_url[URLS[0]].engine = EngineStats(url=URLS[0], slots=3)  # type: ignore[attr-defined]
+    ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]
+    # 3 slots on one, the default 1 on the other: 4 families fill both exactly.
+    assert placed(ready, bodies(4, seed=9)) == {URLS[0]: 3, URLS[1]: 1}
+
+
+def test_a_new_family_goes_to_the_least_loaded_replica_with_room() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    loads = dict(zip(URLS[:4], (3, 1, 0, 2), strict=True))
+    for r in ready.replicas:
+        r.inflight = loads[r.url]
+    for body in bodies(20, seed=21):
+        chosen = ready.choose(None, Req(body))
+        assert chosen is not None and chosen.url == URLS[2]  # the idle one, whatever the hash
+        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+
+
+def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:2]))
+    with_slots(ready, 1)
+    first, second = bodies(2, seed=31)
+    a = ready.choose(None, Req(first))
+    b = ready.choose(None, Req(second))
+    assert a is not None and b is not None and a is not b
+
+
+def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    body = bodies(1, seed=41)[0]
+    home = ready.choose(None, Req(body))
+    assert home is not None
+    home.inflight = 6  # total 6 over 4: bound ceil(1.5 x 7 / 4) = 3: saturated
+    spill = ready.choose(None, Req(body))
+    assert spill is not None and spill is not home
+    fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    assert fam.primary is home and fam.secondary is spill
+    # While home is saturated the family keeps to its one spill replica (cached there).
+    spill.inflight = 1
+    for _ in range(5):
+        assert ready.choose(None, Req(body)) is spill
+    assert ready.policy.routed[spill.url][SPILL] == 6  # type: ignore[attr-defined]
+    home.inflight = 0
+    assert ready.choose(None, Req(body)) is home
+    # Both saturated: the overflow moves to a third replica, the home stays the home.
+    home.inflight = spill.inflight = 6
+    third = ready.choose(None, Req(body))
+    assert third is not None and third not in (home, spill)
+    assert fam.primary is home and fam.secondary is third
+
+
+def test_a_family_whose_replica_left_moves_and_stays_moved() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    body = bodies(1, seed=51)[0]
+    home = ready.choose(None, Req(body))
+    assert home is not None
+    rest = [u for u in URLS[:4] if u != home.url]
+    ready.apply(snapshot(2, *rest))
+    moved = ready.choose(None, Req(body))
+    assert moved is not None and moved.url in rest
+    for r in ready.replicas:
+        r.inflight = 1 if r is moved else 0  # no longer the least loaded: still its home
+    assert ready.choose(None, Req(body)) is moved
+
+
+def test_unused_families_and_spills_expire() -> None:
+    table = PlacementTable(ttl=100.0)
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:2]))
+    table.update(ready.replicas)
+    table.refresh(1000.0)
+    a, b = ready.replicas[0], ready.replicas[1]
+    table.add(1, a)
+    table.add(2, b)
+    table.families[1].secondary = b
+    table.families[1].secondary_used = 1000.0
+    table.families[2].used = 1060.0
+    assert table.refresh(1050.0) == 0 and table.families[1].secondary is None  # 25 s unused
+    assert table.refresh(1101.0) == 1 and list(table.families) == [2]
+    assert table.placed[a] == 0 and table.placed[b] == 1
+
+
+def test_adopted_placements_win_and_unknown_replicas_are_skipped() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:2]))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    body = bodies(1, seed=61)[0]
+    mine = ready.choose(None, Req(body))
+    assert mine is not None
+    fid = family_of(ready, body)
+    assert table.outbox == [(fid, mine.url)]  # queued for the other proxies
+    other = next(r for r in ready.replicas if r is not mine)
+    skipped = table.adopt([(fid, other.url, 999.0), (7, "http://evil:1", 999.0),
+                           (8, other.url, 1.0)])  # the last one: long expired
+    assert skipped == 1
+    assert ready.choose(None, Req(body)) is other  # the shared placement wins
+    assert 8 not in table.families and table.placed[mine] == 0
+
+
+def test_placement_options_are_checked() -> None:
+    assert PrefixOptions().placement == "auto"
+    static = ReadySet()
+    static.apply(prefix_snapshot(1, *URLS[:4]))  # auto without a Redis source: rendezvous
+    assert static.policy.placement is None  # type: ignore[attr-defined]
+    for bad in ({"placement": "hash"}, {"replica_families": -1}, {"placement_ttl": 0.0}):
+        with pytest.raises(ValueError, match=r"prefix\.(placement|replica_families)"):
+            PrefixOptions(**bad)  # type: ignore[arg-type]
+    assert PrefixRouting(placement="rendezvous").placement == "rendezvous"

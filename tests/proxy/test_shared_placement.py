@@ -1,0 +1,170 @@
+"""Shared placement of prompt families (proxy/sources/placement.py) on a real
+redis-server: two proxies (each a real RedisSource, ReadySet and `prefix` policy, in
+this process) converge on one replica per family, whoever placed it; a race of two
+placements ends on one; hostile entries in the hash or on the channel are skipped,
+counted and deleted; Redis gone, routing goes on with the last view."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from controlplane.redisserver import EmbeddedRedis
+from controlplane.store import Store
+from proxy.config import ProxyConfig
+from proxy.placement import PlacementTable
+from proxy.readyset import ReadySet
+from proxy.sources.redis import RedisSource
+from proxy.stats import Stats
+from proxy.wire.keys import Keys
+from tests.proxy.test_prefix import Req, bodies
+from tests.support.builders import registered, replica
+from tests.support.poll import until
+
+Proxy = tuple[RedisSource, ReadySet, Stats]
+
+
+async def start_proxy(url: str, prefix: str) -> Proxy:
+    config = ProxyConfig(redis_url=url, service="svc", redis_prefix=prefix, policy="prefix")
+    stats, ready_set = Stats(), ReadySet(policy_override="prefix")
+    source = RedisSource(config, stats, flush_interval=0.1, backoff_max=0.1)
+    await source.start(ready_set)
+    await until(lambda: len(ready_set.replicas) == 4, what="the proxy to load the set")
+    # placement: auto (the default) turns capacity placement on once the source shares it.
+    await until(lambda: ready_set.policy.placement is not None,  # type: ignore[attr-defined]
+                what="the shared placement to be on")  # fmt: skip
+    return source, ready_set, stats
+
+
+@pytest.fixture
+async def two(store: Store, redis_url: str, redis_prefix: str) -> AsyncIterator[list[Proxy]]:
+    await registered(store, spec=b"{}")
+    await store.commit("svc", replica_updates=[replica(i) for i in range(1, 5)])
+    proxies = [await start_proxy(redis_url, redis_prefix) for _ in range(2)]
+    yield proxies
+    for source, ready_set, _ in proxies:
+        await source.aclose()
+        ready_set.close()
+
+
+def table(ready_set: ReadySet) -> PlacementTable:
+    t = ready_set.policy.placement  # type: ignore[attr-defined]
+    assert isinstance(t, PlacementTable)
+    return t
+
+
+def family(ready_set: ReadySet, body: bytes) -> int:
+    return ready_set.policy.key_of(Req(body))[0]  # type: ignore[attr-defined]
+
+
+def primary_url(ready_set: ReadySet, fid: int) -> str | None:
+    fam = table(ready_set).families.get(fid)
+    return None if fam is None else fam.primary.url
+
+
+def set_loads(ready_set: ReadySet, loads: dict[str, int]) -> None:
+    for r in ready_set.replicas:
+        r.inflight = loads.get(r.url, 0)
+
+
+async def test_a_family_one_proxy_placed_is_routed_there_by_the_other(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body, fresh = bodies(2, seed=71)
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    fid = family(a, body)
+    await until(lambda: primary_url(b, fid) == chosen.url, what="b to learn a's placement")
+    # On b the chosen replica is busier than the others: b alone would place elsewhere
+    # (a fresh family shows it), but the shared family still goes where a placed it.
+    set_loads(b, {r.url: 3 if r.url == chosen.url else 2 for r in b.replicas})
+    own = b.choose(None, Req(fresh))
+    assert own is not None and own.url != chosen.url
+    shared = b.choose(None, Req(body))
+    assert shared is not None and shared.url == chosen.url
+
+
+async def test_two_proxies_placing_one_family_at_once_converge(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=81)[0]
+    urls = [r.url for r in a.replicas]
+    # Each sees another replica idle: each alone places the family on another one.
+    set_loads(a, {u: 1 for u in urls[1:]})
+    set_loads(b, {u: 1 for u in urls if u != urls[2]})
+    first_a, first_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert first_a is not None and first_b is not None
+    assert first_a.url == urls[0] and first_b.url == urls[2]
+    fid = family(a, body)
+    await until(lambda: primary_url(a, fid) == primary_url(b, fid),
+                what="both proxies to agree on the family's replica")  # fmt: skip
+    agreed = primary_url(a, fid)
+    assert agreed in (urls[0], urls[2])
+    set_loads(a, {})
+    set_loads(b, {})
+    again_a, again_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert again_a is not None and again_b is not None
+    assert again_a.url == again_b.url == agreed
+
+
+async def test_hostile_placement_entries_are_skipped_counted_and_deleted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), (_, b, _) = two
+    keys = Keys(redis_prefix)
+    key = keys.placement("svc")
+    known = a.replicas[0].url
+    hostile = {
+        "zz": "1.0 " + known,  # not hex
+        "123456789": "1.0 " + known,  # more than 8 digits
+        "1": "1e400 " + known,  # not finite
+        "2": "9999999999.0 " + known,  # from the future: would never expire
+        "3": "\xff\xfe garbage",
+        "4": "x" * 5000,
+    }
+    await redis_client.hset(key, mapping=hostile)  # type: ignore[arg-type]
+    # Not a replica of the set: skipped (it only expires: a proxy may lag a set change).
+    await redis_client.hset(key, "6", f"{time.time():.3f} http://evil.example:1")
+    await redis_client.publish(keys.placed("svc"), b"5 nan " + known.encode() + b"\n\x00\x01")
+    await until(lambda: stats.placements_skipped >= len(hostile) + 2,
+                what="the hostile entries to be counted")  # fmt: skip
+    fams = table(a).families
+    assert not {1, 2, 3, 4, 5, 6} & set(fams)
+    await until(lambda: _gone(redis_client, key, hostile), what="the bad entries deleted")
+    # Routing is untouched: a new family is placed and shared as usual.
+    body = bodies(1, seed=91)[0]
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    await until(lambda: primary_url(b, family(a, body)) == chosen.url,
+                what="b to learn the placement")  # fmt: skip
+
+
+async def _gone(client: aioredis.Redis, key: str, fields: dict[str, str]) -> bool:
+    return not any(await client.hmget(key, list(fields)))  # type: ignore[misc]
+
+
+async def test_redis_gone_keeps_routing_on_the_last_view(
+    redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str
+) -> None:
+    server = redis_factory()
+    async with Store.from_url(server.url, prefix=redis_prefix) as store:
+        await registered(store, spec=b"{}")
+        await store.commit("svc", replica_updates=[replica(i) for i in range(1, 5)])
+    source, ready_set, _ = await start_proxy(server.url, redis_prefix)
+    try:
+        body, fresh = bodies(2, seed=101)
+        chosen = ready_set.choose(None, Req(body))
+        assert chosen is not None
+        assert source.placement is not None
+        await until(lambda: source.placement.published >= 1,  # type: ignore[union-attr]
+                    what="the placement to be published")  # fmt: skip
+        server.kill()
+        set_loads(ready_set, {r.url: 3 if r is chosen else 2 for r in ready_set.replicas})
+        assert ready_set.choose(None, Req(body)) is chosen  # the family stays placed
+        other = ready_set.choose(None, Req(fresh))  # and new families are placed
+        assert other is not None and other is not chosen
+        assert primary_url(ready_set, family(ready_set, fresh)) == other.url
+    finally:
+        await source.aclose()
+        ready_set.close()
