@@ -216,9 +216,12 @@ def make_app(replica_id: str, ready_delay: float = 0.0) -> web.Application:
 
 
 async def serve(port: int, replica_id: str, ready_delay: float, host: str) -> None:
-    runner = web.AppRunner(
-        make_app(replica_id, ready_delay), handler_cancellation=True, shutdown_timeout=0.5
-    )
+    await serve_app(make_app(replica_id, ready_delay), host, port)
+
+
+async def serve_app(app: web.Application, host: str, port: int) -> None:
+    """Serve `app` on host:port until SIGTERM or SIGINT (the test replicas' main loop)."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     stop = asyncio.Event()

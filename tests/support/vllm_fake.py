@@ -30,12 +30,13 @@ import asyncio
 import contextlib
 import hashlib
 import json
-import signal
 import time
 import uuid
 from typing import Any
 
 from aiohttp import web
+
+from tests.support.replica_app import serve_app
 
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon phi chi psi omega").split()
@@ -174,18 +175,7 @@ def make_app(replica_id: str, delay: float) -> web.Application:
 
 
 async def serve(port: int, replica_id: str, delay: float, host: str) -> None:
-    runner = web.AppRunner(make_app(replica_id, delay), handler_cancellation=True,
-                           shutdown_timeout=0.5)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_app(make_app(replica_id, delay), host, port)
 
 
 def main() -> None:
