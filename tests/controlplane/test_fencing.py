@@ -67,6 +67,17 @@ def lease_expired(store: Store) -> Callable[[], Awaitable[bool]]:
     return check
 
 
+async def stepped_down(leader: ControllerProcess, since: int) -> None:
+    """Wait for `leader` to log its step-down after offset `since`; a timeout shows its log."""
+    try:
+        await until(
+            lambda: "lost the lease; standing by" in leader.text()[since:],
+            timeout=30, what="the resumed leader to step down",
+        )  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- its log ---\n{leader.text()}") from None
+
+
 def controller_argv(
     redis_url: str, prefix: str, state_dir: Path, holder: str, ttl: float
 ) -> list[str]:
@@ -119,7 +130,9 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
     store: Store,
     tmp_path: Path,
 ) -> None:
-    argv = controller_argv(redis_url, redis_prefix, tmp_path / "state", "ctl", ttl=3)
+    # A TTL of 6 s: with 3 s a renewal answered later than 1 s (a loaded CI box) made the
+    # leader step down before the pause, and the test then waited for a second step-down.
+    argv = controller_argv(redis_url, redis_prefix, tmp_path / "state", "ctl", ttl=6)
     leader = ControllerProcess(tmp_path / "leader.log", argv)
     controllers.append(leader)
     await ops.up(store, "svc", make_spec(1))
@@ -127,10 +140,14 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
     before = await store.replicas("svc")
     replica_pid = pid_of(before[1])
     try:
+        # Paused while leading: the lease is its own (only a renewal failing in the moment
+        # between this check and the SIGSTOP could still make it step down first).
+        holder = await store.lease_holder()
+        assert holder is not None and holder.startswith("ctl:"), leader.text()
         leader.proc.send_signal(signal.SIGSTOP)
         # Past its TTL: the lease expires, and a successor takes it. Its value is what a
         # second controller started with the same --holder used to write.
-        await until(lease_expired(store), timeout=20, what="the lease to expire")
+        await until(lease_expired(store), timeout=30, what="the lease to expire")
         assert await store.lease("ctl", 60).acquire()
         # The fleet needs repair: the paused leader would replace this replica.
         os.killpg(replica_pid, signal.SIGKILL)
@@ -139,10 +156,7 @@ async def test_a_leader_paused_past_its_lease_steps_down_without_touching_the_fl
         resumed_at = len(leader.text())
         leader.proc.send_signal(signal.SIGCONT)
 
-        await until(
-            lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-            timeout=30, what="the resumed leader to step down",
-        )  # fmt: skip
+        await stepped_down(leader, resumed_at)
         after = leader.text()[resumed_at:]
         assert leader.proc.poll() is None, after
         # It launched nothing and wrote nothing: the records are as it left them.
@@ -187,10 +201,7 @@ async def test_a_resumed_leader_s_next_commit_is_refused(
             resumed_at = len(leader.text())
             leader.proc.send_signal(signal.SIGCONT)
 
-            await until(
-                lambda: "lost the lease; standing by" in leader.text()[resumed_at:],
-                timeout=30, what="the resumed leader to step down",
-            )  # fmt: skip
+            await stepped_down(leader, resumed_at)
             after = leader.text()[resumed_at:]
             assert "commit refused: the leader lease is successor's" in after, after
             assert await store.replicas("svc") == before, after
