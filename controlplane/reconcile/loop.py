@@ -276,14 +276,18 @@ class Controller:
                     launched = await self._commit(plan)
                 except Stale:
                     continue  # an ops command wrote meanwhile: plan again on fresh data
+                if not plan.unregister:
+                    # Before any await: _after_commit settles the finished launches, and a
+                    # cancel (SIGTERM) in its awaits must not leave a committed replica in
+                    # neither the launches nor the fleet terminate_all stops without Redis.
+                    self._fleet[name] = {
+                        r.id: (self._planner.backend(r), r.handle)
+                        for r in plan.table.values()
+                        if r.handle
+                    }
                 await self._after_commit(plan, launched)
                 if plan.unregister:
                     return
-                self._fleet[name] = {
-                    r.id: (self._planner.backend(r), r.handle)
-                    for r in plan.table.values()
-                    if r.handle
-                }
                 self._recorded[name] = set(plan.table) | {r.id for r in launched}
                 self.engines.track(name, scrape_targets(plan.table.values(), self._specs_of(name)))
                 break

@@ -18,13 +18,14 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from controlplane import ops, processes
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.redisserver import EmbeddedRedis
-from controlplane.store import Store
+from controlplane.store import Store, StoreUnavailable
 from tests.support.builders import make_spec, pid_of, ready_view
 from tests.support.cli import spawn_sluice
 from tests.support.pids import running
@@ -53,6 +54,17 @@ def _comm(pid: int) -> str:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/comm").read_text().strip()
     return ""
+
+
+def survivors(marker: str, started: dict[str, tuple[int, int | None]]) -> list[str]:
+    """What outlived a kill -9, each as `role-or-pid: command line`, for the failure."""
+    roles = {pid: role for role, (pid, start) in started.items() if processes.running(pid, start)}
+    out = []
+    for pid in sorted(set(marked(marker)) | set(roles)):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            out.append(f"{roles.get(pid, pid)} (pid {pid}): {argv.strip()}")
+    return out
 
 
 def write_spec(path: Path, marker: str, *, setup: bool) -> None:
@@ -98,9 +110,10 @@ def wait_for(predicate: Callable[[], object], within: float, what: str, log: Pat
 @pytest.mark.parametrize(
     ("victim", "setup"),
     [pytest.param("run", False, marks=pytest.mark.xfail(
-        strict=False, reason="flaky since this session's merges (2 of 4 full runs): after a "
-        "kill -9 of `sluice run` at CONTROLLER_INIT a process outlives it; open, see the "
-        "closing note")),
+        strict=False, reason="failed in 2 of 4 full runs (never alone, 0 of 40 under CPU "
+        "stress): a process outlived a kill -9 of `sluice run` at CONTROLLER_INIT; one "
+        "cause found and fixed (test_a_replica_committed_just_before_redis_dies...), "
+        "kept non-strict until full runs confirm it was the only one")),
      ("controller", False), ("proxy", False), ("run", True), ("controller", True)],
     ids=["run", "controller", "proxy", "run-during-setup", "controller-during-setup"],
 )  # fmt: skip
@@ -148,7 +161,11 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
                     processes.running(pid, start) for pid, start in started.values()
                 )
 
-            wait_for(all_gone, SETTLE, f"everything to stop after kill -9 of the {victim}", log)
+            try:
+                until_sync(all_gone, timeout=SETTLE, interval=0.05)
+            except AssertionError:
+                pytest.fail(f"after kill -9 of the {victim}, still running: "
+                            f"{survivors(marker, started)}\n{log.read_text()}")  # fmt: skip
     finally:
         for pid in marked(marker):
             with contextlib.suppress(ProcessLookupError):
@@ -189,3 +206,57 @@ async def test_terminate_on_exit_stops_the_replicas_when_redis_is_gone(
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
+
+
+async def test_a_replica_committed_just_before_redis_dies_is_still_terminated(
+    redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path
+) -> None:
+    # `sluice run` killed just after its controller recorded the replicas' processes:
+    # its Redis dies before the rest of that step (the event writes) can run. The
+    # committed replicas are no launch in flight any more; the controller must still
+    # know them, or the terminate-on-exit below (Redis gone) leaves them running.
+    server = redis_factory()
+    config = ControllerConfig(
+        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
+        term_timeout=3.0, terminate_on_exit=True,
+    )  # fmt: skip
+    async with Store.from_url(server.url) as store:
+        controller = Controller(store, config)
+        after_commit = controller._after_commit
+        crashed = asyncio.Event()
+
+        async def redis_dies_after_the_commit(plan: Any, launched: Any) -> None:
+            await after_commit(plan, launched)
+            if plan.done_launches:  # this commit recorded processes
+                server.kill()
+                crashed.set()
+                raise StoreUnavailable("Redis died (the test killed it)")
+
+        controller._after_commit = redis_dies_after_the_commit  # type: ignore[method-assign]
+        await controller.start()
+        runner = asyncio.create_task(controller.run())
+        try:
+            await ops.up(store, "svc", make_spec(2))
+            await asyncio.wait_for(crashed.wait(), 30)
+            pids = [pid for pid in _handle_pids(tmp_path / "state") if running(pid)]
+            assert pids, "no replica process was started"
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        try:
+            await controller.aclose()
+            assert not [pid for pid in pids if running(pid)]
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
+def _handle_pids(state: Path) -> list[int]:
+    """The pids in the local backend's replica handle files under `state`."""
+    pids = []
+    for path in state.rglob("*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            pids.append(int(json.loads(path.read_text())["pid"]))
+    return pids
