@@ -644,9 +644,16 @@ def test_run_with_a_sentinel_url_serves_and_stops(
         info = json.loads((state / "run.json").read_text())
         assert info["redis_url"] == group.url
         assert "redis" not in info["pids"]  # no embedded redis-server
-        status = CliRunner().invoke(cli, ["status", "echo", "--json", "--state-dir", str(state)])
-        assert status.exit_code == 0, status.output
-        assert json.loads(status.stdout)[0]["ready"] == 2
+
+        def ready() -> int:
+            status = CliRunner().invoke(
+                cli, ["status", "echo", "--json", "--state-dir", str(state)]
+            )
+            assert status.exit_code == 0, status.output
+            return int(json.loads(status.stdout)[0]["ready"])
+
+        # Serving means one replica is READY; the second may follow a moment later.
+        until_sync(lambda: ready() == 2, timeout=60, what="both replicas READY")
         proc.send_signal(signal.SIGINT)
         try:
             code = proc.wait(timeout=60)
