@@ -54,9 +54,13 @@ async def sigterm_and_wait(proxy: Proxy) -> None:
 
 
 @contextlib.asynccontextmanager
-async def silent_server() -> AsyncIterator[int]:
-    """A TCP listener on 127.0.0.1 that accepts and reads but never answers; yields its port."""
-    held: list[asyncio.StreamWriter] = []
+async def silent_server(
+    held: list[asyncio.StreamWriter] | None = None,
+) -> AsyncIterator[int]:
+    """A TCP listener on 127.0.0.1 that accepts and reads but never answers; yields its port.
+    Each accepted connection is appended to `held` (if given)."""
+    if held is None:
+        held = []
 
     async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
@@ -164,13 +168,17 @@ async def test_sigterm_while_redis_is_unreachable(
 async def test_sigterm_while_the_skyserve_controller_never_answers(
     proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
 ) -> None:
-    async with silent_server() as port:
+    syncs: list[asyncio.StreamWriter] = []
+    async with silent_server(syncs) as port:
+        # It serves once its first sync timed out (6 s); SIGTERM lands while the second
+        # (a connection of its own) waits for an answer that never comes.
         proxy = await proxy_factory.astart(
             *ARGS, "--controller-addr", f"http://{HOST}:{port}", "--sync-interval", "0.2",
-            "--sync-timeout", "30", wait="health", startup_timeout=60)
+            "--sync-timeout", "6", wait="health", startup_timeout=60)
         async with rawhttp.connect(proxy.port) as held:
             held.send(get("/fast"))  # held: the set is empty
             await held.writer.drain()
+            await until(lambda: len(syncs) >= 2, timeout=10, what="a second sync in flight")
             await sigterm_and_wait(proxy)
 
 
