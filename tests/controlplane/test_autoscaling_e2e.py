@@ -141,7 +141,7 @@ async def test_scale_from_zero_holds_the_first_request_and_answers_200(
     assert status == 200, body[:200]
     [replica] = (await ops.status(store, "svc"))[0].replicas
     assert replica.status == "READY"
-    decision = await store.read_autoscaler("svc")
+    decision = await store.telemetry.read_autoscaler("svc")
     assert decision is not None and decision.target == 1
     assert held < 20
 

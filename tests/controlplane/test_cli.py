@@ -858,7 +858,7 @@ async def test_status_flags_a_proxy_lagging_behind(
                 ReplicaRecord(id=port - 23100, status=ReplicaStatus.READY,
                               url=f"http://127.0.0.1:{port}")])
         async def caught_up() -> bool:  # both heartbeats written, the live one at the last
-            beats = await store.read_proxies("echo")
+            beats = await store.telemetry.read_proxies("echo")
             return set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation
 
         await until(caught_up, timeout=5.0, what="the heartbeats to catch up")
