@@ -36,8 +36,9 @@ Named fakes, for what cannot run here:
 - `skyserve_stub`: a stub Sky Serve controller (the load-balancer sync protocol).
 - `skypilot_fake`: a fake SkyPilot SDK whose "clusters" are local processes.
 - `fakes`: `FakeBackend` and `FakeProber` for controllers driven by `step()` on a fake
-  clock; also `controller_config()` and `controller_starter()`, the config and starter
-  the end-to-end controller tests share.
+  clock; also `controller_config()`, `controller_starter()` and the `start_controller`
+  fixture (on the module's `config`), the config and starter the end-to-end controller
+  tests share.
 
 Programs tests start as processes (``python -m tests.support.<name>``):
 - `replica_app`: the replica every test runs; `slow_health_replica`: one whose /health
