@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.support.llama",
     "tests.support.engine_fakes",
     "tests.support.fakes",
+    "tests.support.skyserve_stub",
 ]

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -21,17 +20,7 @@ from proxy.sources.skyserve_protocol import parse_sync_reply
 from tests.support.poll import until_sync
 from tests.support.ports import free_port
 from tests.support.processes import https_get
-from tests.support.skyserve_stub import StubController, threaded_stub_code
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[StubController]:
-    controller = StubController()
-    await controller.start(free_port())
-    try:
-        yield controller
-    finally:
-        await controller.aclose()
+from tests.support.skyserve_stub import threaded_stub_code
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
