@@ -24,7 +24,7 @@ import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -96,9 +96,14 @@ def _documented_acl_commands() -> list[list[str]]:
     return commands
 
 
-@pytest.fixture
-def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, binary=redis7)
+def documented_users(
+    redis7: str, tmp_path: Path, options: Sequence[tuple[str, str]] = (),
+    prepare: Callable[[redis.Redis], None] | None = None,
+) -> Iterator[EmbeddedRedis]:  # fmt: skip
+    """An acl_server fixture's body: a redis-server (with `options`) whose admin creates
+    the ACL users docs/redis.md documents, then runs `prepare(admin)`; stopped after."""
+    server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, binary=redis7,
+                           options=options)  # fmt: skip
     server.start()
     try:
         admin = redis.Redis.from_url(server.url)
@@ -107,11 +112,18 @@ def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
                 args = [a.replace("CONTROLLER_PASSWORD", CONTROLLER_PASSWORD)
                         .replace("PROXY_PASSWORD", PROXY_PASSWORD) for a in args]  # fmt: skip
                 assert admin.execute_command(*args) == b"OK", args
+            if prepare is not None:
+                prepare(admin)
         finally:
             admin.close()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    yield from documented_users(redis7, tmp_path)
 
 
 def _user_url(server: EmbeddedRedis, user: str, password: str) -> str:
