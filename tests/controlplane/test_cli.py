@@ -27,7 +27,14 @@ from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.wire.snapshot import ReadySnapshot
-from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child, store_call
+from tests.support.cli import (
+    one_line_error,
+    redis_keys,
+    sluice,
+    sluice_child,
+    store_call,
+    wait_exit,
+)
 from tests.support.pids import descendants, kill_all, running
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
@@ -613,10 +620,7 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
         until_sync(lambda: ready() == 2, timeout=60, what="2 replicas ready", interval=0.2)
 
         proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+        code = wait_exit(proc, log, within=60)
         output = log.read_text()
         left = sorted(pid for pid in started if running(pid))
         kill_all(left)
@@ -648,10 +652,7 @@ def test_run_with_a_sentinel_url_serves_and_stops(
         assert status.exit_code == 0, status.output
         assert json.loads(status.stdout)[0]["ready"] == 2
         proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+        code = wait_exit(proc, log, within=60)
     output = log.read_text()
     assert code == 0, output
     assert "Traceback" not in output
