@@ -19,7 +19,6 @@ import aiohttp
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-import trustme
 from aiohttp import web
 
 from controlplane.dashboard import DashboardConfig, DashboardConfigError, server
@@ -34,6 +33,7 @@ from tests.support.builders import make_spec, registered, replica
 from tests.support.cli import one_line_error, sluice
 from tests.support.poll import until
 from tests.support.ports import HOST, free_port
+from tests.support.tls import write_cert
 
 Serve = Callable[..., Awaitable[tuple[Poller, str]]]
 WRITES = ("POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -206,11 +206,7 @@ async def test_security_headers_on_every_response(
 
 
 async def test_tls(store: Store, serve: Serve, tmp_path: Path) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST)
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(certfile)
-    cert.private_key_pem.write_to_path(keyfile)
+    ca, certfile, keyfile = write_cert(tmp_path)
     config = DashboardConfig(host="10.1.2.3", tls_certfile=str(certfile), tls_keyfile=str(keyfile))
     assert config.check() == ["no --token: anyone who reaches the port can read the fleet"]
     server_ssl = config.ssl_context()

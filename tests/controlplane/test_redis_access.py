@@ -31,12 +31,11 @@ import aiohttp
 import pytest
 import redis
 import redis.asyncio as aioredis
-import trustme
 from click.testing import Result
 
 from controlplane import ops
 from controlplane.reconcile import ControllerConfig, run_controller
-from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
+from controlplane.redisserver import EmbeddedRedis, RedisServerError
 from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from tests.support.cli import sluice, spawn_sluice
@@ -44,6 +43,7 @@ from tests.support.pids import descendants
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
 from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, http_get
+from tests.support.tls import redis_tls
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"
@@ -278,14 +278,8 @@ def test_controller_acl_user_cannot_administer_redis(acl_server: EmbeddedRedis) 
 @pytest.fixture
 def tls_server(redis7: str, tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, Path]]:
     """A TLS-only redis-server with a password, and the CA file that signed its certificate."""
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST, "localhost")
     certs = tmp_path / "certs"
-    certs.mkdir()
-    ca.cert_pem.write_to_path(str(certs / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(certs / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(certs / "cert.pem"))
-    tls = RedisTls(str(certs / "cert.pem"), str(certs / "key.pem"), str(certs / "ca.pem"))
+    tls = redis_tls(certs)
     server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, tls=tls, binary=redis7)
     try:
         server.start()
