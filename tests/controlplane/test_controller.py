@@ -308,15 +308,23 @@ async def test_a_never_ready_version_stops_launching_and_status_says_why(
     assert view.launch_blocked is None and view.status == "READY"
 
 
+async def failed_then_stepped(
+    store: Store, start_controller: StartController, spec: ServiceSpec
+) -> ops.ServiceView:
+    """`spec` up until the service is FAILED; its view after 3 more controller steps
+    (which must not start another round)."""
+    controller = await start_controller()
+    await ops.up(store, "svc", spec)
+    await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    for _ in range(3):
+        await controller.step()
+    return (await ops.status(store, "svc"))[0]
+
+
 async def test_a_service_that_never_gets_ready_is_failed(
     store: Store, start_controller: StartController
 ) -> None:
-    controller = await start_controller()
-    await ops.up(store, "svc", make_spec(2, run="exit 1"))
-    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
-    for _ in range(3):
-        await controller.step()
-    view = (await ops.status(store, "svc"))[0]
+    view = await failed_then_stepped(store, start_controller, make_spec(2, run="exit 1"))
     assert view.status == "FAILED" and view.ready == 0
     assert view.launch_blocked is not None and "exited with code 1" in view.launch_blocked
     assert (await event_kinds(store, "svc")).count("launch") == 2  # one round, no loop
@@ -328,12 +336,8 @@ async def test_a_failed_setup_gives_up_a_version_that_never_served(
 ) -> None:
     # Sky: a setup that fails is FAILED_SETUP, a user-code failure (FAILED), not a
     # provisioning failure to retry; so one round of launches, not a loop.
-    controller = await start_controller()
-    await ops.up(store, "svc", make_spec(2, setup="echo no deps >&2; exit 4"))
-    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
-    for _ in range(3):
-        await controller.step()
-    view = (await ops.status(store, "svc"))[0]
+    spec = make_spec(2, setup="echo no deps >&2; exit 4")
+    view = await failed_then_stepped(store, start_controller, spec)
     assert view.status == "FAILED" and {r.status for r in view.replicas} == {"FAILED"}
     assert view.launch_blocked is not None and "setup of version 1 exited with code 4" in (
         view.launch_blocked
