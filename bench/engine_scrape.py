@@ -81,9 +81,13 @@ asyncio.run(main())
 """
 
 
-class _NoStore:
+class _NoTelemetry:
     async def write_engines(self, views: Any, ttl: float) -> None:
         return None
+
+
+class _NoStore:
+    telemetry = _NoTelemetry()
 
 
 async def round_(ports: list[int], steps: int) -> tuple[float, float]:

@@ -173,7 +173,7 @@ class FailoverStack(Stack):
         assert self.store is not None
         while True:
             with contextlib.suppress(StoreError):
-                for proxy_id, beat in (await self.store.read_proxies(SERVICE)).items():
+                for proxy_id, beat in (await self.store.telemetry.read_proxies(SERVICE)).items():
                     applied = self.applies.setdefault(proxy_id, {})
                     for generation, at in beat.recent:
                         applied.setdefault(generation, at)
@@ -184,7 +184,7 @@ class FailoverStack(Stack):
         assert self.store is not None
         await asyncio.sleep(2.5)  # two heartbeats (1 s each) after the last commit
         with contextlib.suppress(StoreError):
-            for proxy_id, beat in (await self.store.read_proxies(SERVICE)).items():
+            for proxy_id, beat in (await self.store.telemetry.read_proxies(SERVICE)).items():
                 applied = self.applies.setdefault(proxy_id, {})
                 for generation, at in beat.recent:
                     applied.setdefault(generation, at)

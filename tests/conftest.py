@@ -5,4 +5,6 @@ pytest_plugins = [
     "tests.support.processes",
     "tests.support.llama",
     "tests.support.engine_fakes",
+    "tests.support.fakes",
+    "tests.support.skyserve_stub",
 ]

@@ -5,10 +5,10 @@ The replica rows are `sluice status --json`'s (`ops.ServiceView`, encoded the sa
 with a few derived fields added (in-flight, reason, age, engine), so the page and the
 CLI cannot disagree about ids, states and versions.
 
-Engine telemetry is optional: a store that has a `read_engines(name)` method (issue 26:
-replica id -> a struct or mapping of scalars, e.g. running, waiting, kv_usage,
-ttft_p50, directly or as the `replicas` of a view) gets an `engine` dict on each
-replica that has one; otherwise the key is absent. Nothing here does I/O.
+Engine telemetry is optional: where the service has an engine view
+(`store.telemetry.read_engines(name)`: replica id -> a struct or mapping of scalars, e.g.
+running, waiting, kv_usage, ttft_p50, as the `replicas` of a view), each replica that has
+one gets an `engine` dict; otherwise the key is absent. Nothing here does I/O.
 """
 
 from __future__ import annotations

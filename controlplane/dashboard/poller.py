@@ -18,8 +18,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -63,10 +62,6 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
         return int(ms), int(seq or 0)
     except ValueError:
         return 0, 0
-
-
-class _EngineReader(Protocol):
-    def __call__(self, name: str) -> Awaitable[object]: ...
 
 
 class Poller:
@@ -176,9 +171,9 @@ class Poller:
         events = await self._events(name)
         # The last few seconds only: the hash holds up to an hour of them.
         second = int(self._clock())
-        rps = await store.read_rps_seconds(name, range(second - RPS_SECONDS, second + 1))
-        inflight = await store.read_inflight(name)
-        beats = await store.read_proxies(name)
+        rps = await store.telemetry.read_rps_seconds(name, range(second - RPS_SECONDS, second + 1))
+        inflight = await store.telemetry.read_inflight(name)
+        beats = await store.telemetry.read_proxies(name)
         return Reading(view=view, events=events, rps=rps, inflight=inflight,
                        engines=await self._engines(name),
                        rates=self._rates.update(name, beats, self._clock()))  # fmt: skip
@@ -199,17 +194,13 @@ class Poller:
         return kept
 
     async def _engines(self, name: str) -> dict[int, dict[str, Scalar]]:
-        """Engine views, when the store offers them (absent otherwise): a read that fails
-        or an entry that is not a scalar mapping shows nothing, never an error.
+        """The service's engine view by replica (empty when none is published): a read
+        that fails or an entry that is not a scalar mapping shows nothing, never an error.
 
-        `Store.read_engines(name)` (engine telemetry, issue 26) may answer None, a
-        mapping replica id -> stats, or a view whose `replicas` is that mapping (the
-        routing branch's EngineView); stats are Structs or mappings of scalars."""
-        reader: _EngineReader | None = getattr(self._store, "read_engines", None)
-        if reader is None:
-            return {}
+        `store.telemetry.read_engines(name)` answers None or a view whose `replicas` maps
+        replica id -> stats; stats are Structs or mappings of scalars."""
         try:
-            raw = await reader(name)
+            raw: object = await self._store.telemetry.read_engines(name)
         except StoreError:
             return {}
         per_replica = getattr(raw, "replicas", raw)

@@ -161,7 +161,7 @@ class EngineScraper:
         if views:
             interval = min(s.target.interval for n in views for s in self._services[n].values())
             ttl = max(MIN_VIEW_TTL, VIEW_TTL_INTERVALS * interval)
-            await self._store.write_engines(views, ttl)
+            await self._store.telemetry.write_engines(views, ttl)
 
     async def run(self) -> None:
         """Step until cancelled; a failed publish (Redis down) is logged and retried."""

@@ -160,7 +160,7 @@ async def wait_for(
 
 
 async def _proxies(store: Store, name: str, generation: int, lag: LagLimits) -> list[ProxyView]:
-    beats = await store.read_proxies(name)
+    beats = await store.telemetry.read_proxies(name)
     if not beats:
         return []
     snapshot = await store.snapshot(name)
@@ -192,10 +192,11 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
     replicas = list(state.replicas.values())
     last_failure, reasons = await _failures(store, name)
     autoscaling, target, no_run = await _policy(store, record)
-    decision = await store.read_autoscaler(name)
+    decision = await store.telemetry.read_autoscaler(name)
     if decision is not None:
         target = decision.target
     draining = await _draining(store, name, replicas)
+    engines = await store.telemetry.read_engines(name)
     return ServiceView(
         name=record.name,
         status=record.status.value,
@@ -216,7 +217,7 @@ async def _view(store: Store, name: str, lag: LagLimits) -> ServiceView | None:
         target=target,
         autoscaler=decision,
         proxies=await _proxies(store, name, state.generation, lag),
-        engines=dict(engines.replicas) if (engines := await store.read_engines(name)) else {},
+        engines=dict(engines.replicas) if engines else {},
     )
 
 
@@ -286,7 +287,7 @@ async def _draining(store: Store, name: str, replicas: list[ReplicaRecord]) -> d
     if not urls:
         return {}
     now = time.time()
-    fresh = [e for e in (await store.read_inflight(name)).values()
+    fresh = [e for e in (await store.telemetry.read_inflight(name)).values()
              if now - e.at <= _INFLIGHT_FRESH_SECONDS]
     return {i: sum(max(0, e.replicas.get(url, 0)) for e in fresh) for i, url in urls.items()}
 

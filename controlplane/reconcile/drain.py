@@ -58,9 +58,9 @@ STALE_SECONDS = 5.0
 SETTLE_SECONDS = 2.0
 #: How often a draining replica is looked at again (the proxies flush every second).
 POLL_SECONDS = 0.5
-#: `read_proxies` deletes heartbeats older than this by the controller's clock. Liveness
-#: is judged here by change, so the drain read deletes nothing a skewed clock could
-#: make look old (`sluice status` and the hash's TTL clear long-gone proxies).
+#: `store.telemetry.read_proxies` deletes heartbeats older than this by the controller's
+#: clock. Liveness is judged here by change, so the drain read deletes nothing a skewed
+#: clock could make look old (`sluice status` and the hash's TTL clear long-gone proxies).
 _HEARTBEAT_GC_SECONDS = 86400.0
 
 
@@ -86,8 +86,8 @@ class DrainVerdict:
 async def read_reports(store: Store, name: str, generation: int) -> DrainReports:
     """The proxies' heartbeats and in-flight entries of `name` (`generation`: the
     generation read with the replica table)."""
-    heartbeats = await store.read_proxies(name, stale_after=_HEARTBEAT_GC_SECONDS)
-    inflight = await store.read_inflight(name)
+    heartbeats = await store.telemetry.read_proxies(name, stale_after=_HEARTBEAT_GC_SECONDS)
+    inflight = await store.telemetry.read_inflight(name)
     return DrainReports(generation, heartbeats, inflight)
 
 

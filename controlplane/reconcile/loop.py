@@ -261,7 +261,7 @@ class Controller:
             if self._autoscalers.trim_due(name, self._clock()):
                 # First: at maxmemory (a Redis filled through a proxy's user) Redis
                 # refuses commits and even the MULTI of read_state, but not these deletes.
-                await self._store.enforce_bounds(name)
+                await self._store.telemetry.enforce_bounds(name)
             for _ in range(_MAX_REPLANS):
                 state = await self._store.read_state(name)
                 if state is None:

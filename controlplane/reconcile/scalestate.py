@@ -21,7 +21,7 @@ One step of a service, in three parts so that planning does no I/O:
    QPS window, whether or not the service autoscales on QPS. As often, first thing
    in the service's step (before any read in MULTI or commit, which Redis refuses
    at maxmemory), each hash proxies write that is over its bounds is deleted
-   (`trim_due`, `Store.enforce_bounds`).
+   (`trim_due`, `store.telemetry.enforce_bounds`).
 
 The decisions live in this process only: a controller that takes over starts from
 the number of replicas it finds running, not from zero.
@@ -232,14 +232,14 @@ async def read_signals(
     """The signals `policy` scales on, as the proxies (or the engines) last reported them."""
     on_kv = policy.target_kv_cache_usage_per_replica is not None
     if policy.target_queue_length_per_replica is not None or on_kv:
-        view = await store.read_engines(name)
+        view = await store.telemetry.read_engines(name)
         stats = view.replicas.values() if view is not None else ()
         live = [s for s in stats if now - s.at <= ENGINE_FRESH_SECONDS]
         if on_kv:
             return ScaleSignals(kv_usage=sum(s.kv_usage or 0.0 for s in live))
         return ScaleSignals(queue=float(sum(s.queue for s in live)))
     if policy.target_ongoing_requests is not None:
-        entries = await store.read_inflight(name)
+        entries = await store.telemetry.read_inflight(name)
         # An entry from the future (beyond clock skew) would stay "fresh" forever.
         fresh = [e.total for e in entries.values()
                  if -MAX_CLOCK_SKEW_SECONDS <= now - e.at <= INFLIGHT_FRESH_SECONDS]  # fmt: skip
@@ -248,18 +248,19 @@ async def read_signals(
         return ScaleSignals()
     # Part of the read, as it bounds it: seconds before the window are never read again.
     # (Only the proxies' counters are touched; the controller's state is not.)
-    await store.trim_rps(name, int(now) - qps_window - 1, int(now) + MAX_CLOCK_SKEW_SECONDS)
-    return ScaleSignals(rps=await store.read_rps(name))
+    until = int(now) + MAX_CLOCK_SKEW_SECONDS
+    await store.telemetry.trim_rps(name, int(now) - qps_window - 1, until)
+    return ScaleSignals(rps=await store.telemetry.read_rps(name))
 
 
 async def write_step(store: Store, name: str, step: ScaleStep, qps_window: int) -> None:
     """After the commit: record the decision, trim the rps hash to the QPS window."""
     if step.trim:
-        await store.trim_rps(
+        await store.telemetry.trim_rps(
             name, int(step.now) - qps_window - 1, int(step.now) + MAX_CLOCK_SKEW_SECONDS
         )
     if step.status is not None:
-        await store.write_autoscaler(name, step.status)
+        await store.telemetry.write_autoscaler(name, step.status)
 
 
 def merge_steps(earlier: ScaleStep | None, later: ScaleStep | None) -> ScaleStep | None:

@@ -1,13 +1,17 @@
 """The only control-plane code that reads or writes sluice's Redis keys (the keys are
-named once, in proxy/wire/keys.py; the leader lease is one object,
-`controlplane.lease.Lease`, which `Store.lease(holder, ttl)` makes).
+named once, in proxy/wire/keys.py). Callers use one `Store` and the objects it binds:
+`store.telemetry` and `store.lease(holder, ttl)`.
 
-    facade.py     `Store`: the one object callers use; thin, delegating to:
+    facade.py     `Store`: the reads of the records and events, `commit` (and its kin),
+                  `follow_snapshots`, the control channel; makes the bound objects:
+    telemetry.py  `Telemetry` (`store.telemetry`): request rates, in-flight counts,
+                  proxy heartbeats, engine views, autoscaler decisions
     codec.py      records as hashes and JSON; `same_ready_set` (does a commit publish?)
     commit.py     the WATCH/MULTI/EXEC transaction: commit, commit_with, register and
                   unregister; op-id idempotency; the fencing check
-    telemetry.py  events, request rates, in-flight counts, proxy heartbeats, autoscaler
-    pubsub.py     the control channel (nudges); `Store.follow_snapshots` is in facade.py
+    untrusted.py  the bounded read and decoders of what proxies write
+    pubsub.py     the control channel (nudges)
+    (the leader lease, `controlplane.lease.Lease`, is `Store.lease`'s)
 
 Callers import from here: `from controlplane.store import Store, Mutation, StoreError`.
 The errors are defined in controlplane/errors.py (shared with the lease) and re-exported.

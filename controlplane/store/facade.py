@@ -1,6 +1,8 @@
 """`Store`: typed access to sluice's Redis state, the one object the controller, the CLI
-and ops scripts use. Thin: each method delegates to the module that owns its concern
-(reads of the records are here, being one Redis call each).
+and ops scripts use. The reads of the records and the audit events are here (one Redis
+call each), the writes of the ready set delegate to commit.py; the telemetry and the
+leader lease are bound objects with their own scripts: `store.telemetry`
+(controlplane/store/telemetry.py) and `store.lease(holder, ttl)` (controlplane/lease.py).
 
 The keys are named once, in proxy/wire/keys.py (`Keys`, with the table of them).
 
@@ -23,19 +25,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
-import controlplane.store.engines as engines
 import controlplane.store.pubsub as pubsub
-import controlplane.store.telemetry as telemetry
 from controlplane.errors import StoreUnavailable, redis_errors
 from controlplane.lease import Lease
 from controlplane.records import (
-    AutoscalerStatus,
     Event,
     ReplicaRecord,
     ServiceRecord,
@@ -44,20 +44,12 @@ from controlplane.records import (
 from controlplane.store.codec import decode_replica, decode_replicas, decode_service_record, text
 from controlplane.store.commit import Committed, MutationPlan, R, Transactions
 from controlplane.store.pubsub import ControlSubscription
-from controlplane.store.untrusted import (
-    BOUNDED_READ,
-    ENFORCE_BOUNDS,
-    MAX_FIELDS,
-    MAX_HASH_BYTES,
-    MAX_PLACEMENT_FIELDS,
-    Rejects,
-)
+from controlplane.store.telemetry import Telemetry
+from controlplane.store.untrusted import Rejects
 from proxy.redisurl import client_from_url, redis_tls_options
-from proxy.wire.engines import EngineView
 from proxy.wire.feed import NoSubscribeConfirmation, newer_snapshots
 from proxy.wire.keys import DEFAULT_PREFIX, Keys
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
-from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 
 
 class Store:
@@ -93,10 +85,11 @@ class Store:
         self._transactions = Transactions(
             client, self.keys, clock, max_attempts=max_commit_attempts, fence=fence
         )
-        self._bounded_read = client.register_script(BOUNDED_READ)
-        self._enforce_bounds = client.register_script(ENFORCE_BOUNDS)
         #: What proxies wrote that was skipped, by (service, kind) (untrusted.py).
         self.rejects = Rejects()
+        #: Request rates, in-flight counts, heartbeats, engine views, autoscaling
+        #: decisions (controlplane/store/telemetry.py).
+        self.telemetry = Telemetry(client, self.keys, clock, self.rejects)
 
     @classmethod
     def from_url(
@@ -270,7 +263,7 @@ class Store:
         """
         return await self._transactions.unregister(name)
 
-    # -- events, request rates, proxies, autoscaler (telemetry.py) --------------------------
+    # -- the audit events ------------------------------------------------------------------
 
     async def append_event(
         self,
@@ -280,101 +273,36 @@ class Store:
         *,
         maxlen: int = 10_000,
     ) -> str:
-        """Append an audit event to the service's stream (trimmed to about `maxlen`).
-
-        Returns the entry id.
-        """
-        return await telemetry.append_event(
-            self._redis, self.keys, name, kind, fields, at=self._clock(), maxlen=maxlen
-        )
+        """Append an audit event (at the store's clock's time) to the service's stream,
+        trimmed to about `maxlen`. Returns the entry id. Raises ValueError for a field
+        named `kind` or `at`."""
+        entry: dict[Any, Any] = {"kind": kind, "at": self._clock()}
+        for key, value in (fields or {}).items():
+            if key in entry:
+                raise ValueError(f"event field {key!r} is reserved")
+            entry[key] = value
+        with redis_errors():
+            entry_id = await self._redis.xadd(
+                self.keys.events(name), entry, maxlen=maxlen, approximate=True
+            )
+        return text(entry_id)
 
     async def events(self, name: str, count: int = 100) -> list[Event]:
         """The latest `count` events of a service, oldest first."""
-        return await telemetry.events(self._redis, self.keys, name, count)
-
-    async def read_rps(self, name: str) -> dict[int, int]:
-        """Request counts per unix second, as flushed by the proxies (all proxies summed).
-
-        A field that is not an integer second with an integer count (written by hand,
-        or by something that is not a sluice proxy) is skipped and logged.
-        """
-        return await telemetry.read_rps(
-            self._redis, self.keys, name, self._bounded_read, self.rejects
-        )
-
-    async def read_rps_seconds(self, name: str, seconds: Iterable[int]) -> dict[int, int]:
-        """The request counts of these unix seconds only (absent or malformed ones are
-        left out): one HMGET, for readers that want the last few seconds of an hour-long
-        hash (the dashboard)."""
-        return await telemetry.read_rps_seconds(self._redis, self.keys, name, list(seconds))
-
-    async def trim_rps(self, name: str, before: int, until: int | None = None) -> int:
-        """Delete request counts of seconds earlier than `before` (or later than `until`),
-        and fields that are not a unix second with a count (counted in `rejects`);
-        returns how many were deleted. A hash over its bounds is deleted whole."""
-        return await telemetry.trim_rps(
-            self._redis, self.keys, name, before, until, self._bounded_read, self.rejects
-        )
-
-    async def enforce_bounds(self, name: str) -> int:
-        """Delete whichever of the service's proxy-written hashes (rps, inflight,
-        proxies; placement, which the proxies size and trim themselves, with a larger
-        field bound) is over its bounds (untrusted.py), unread; returns how many. The
-        deletes work under `noeviction` at maxmemory, so a Redis filled through a proxy's
-        user gets its memory back (counted in `rejects`)."""
-        keys = [self.keys.rps(name), self.keys.inflight(name), self.keys.proxies(name)]
         with redis_errors():
-            deleted = int(await self._enforce_bounds(keys=keys, args=[MAX_FIELDS, MAX_HASH_BYTES]))
-            deleted += int(await self._enforce_bounds(
-                keys=[self.keys.placement(name)], args=[MAX_PLACEMENT_FIELDS, MAX_HASH_BYTES]))
-        if deleted:
-            self.rejects.reject(name, "hash", f"{deleted} hash(es) over their field bound "
-                                f"or {MAX_HASH_BYTES} bytes: deleted", deleted)  # fmt: skip
-        return deleted
-
-    async def read_inflight(self, name: str) -> dict[str, InflightEntry]:
-        """Every proxy's in-flight counts (proxy id -> entry); stale ones included, the
-        caller judges freshness by `at`. An entry that fails to decode is skipped."""
-        return await telemetry.read_inflight(
-            self._redis, self.keys, name, self._bounded_read, self.rejects
-        )
-
-    async def read_proxies(
-        self, name: str, *, stale_after: float = 30.0
-    ) -> dict[str, ProxyHeartbeat]:
-        """Every live proxy's heartbeat (proxy id -> ProxyHeartbeat), sorted by id.
-
-        Entries not refreshed for `stale_after` seconds are proxies that stopped:
-        they are deleted here, so the hash holds about one entry per live proxy process
-        (a live one whose entry raced the delete writes it again within a second). An
-        entry that fails to decode is skipped.
-        """
-        return await telemetry.read_proxies(
-            self._redis,
-            self.keys,
-            name,
-            self._bounded_read,
-            self.rejects,
-            now=self._clock(),
-            stale_after=stale_after,
-        )
-
-    async def write_autoscaler(self, name: str, status: AutoscalerStatus) -> None:
-        """Record the controller's last autoscaling decision (for `sluice status`)."""
-        await telemetry.write_autoscaler(self._redis, self.keys, name, status)
-
-    async def read_autoscaler(self, name: str) -> AutoscalerStatus | None:
-        """The controller's last autoscaling decision, or None (none yet, or unreadable)."""
-        return await telemetry.read_autoscaler(self._redis, self.keys, name)
-
-    async def write_engines(self, views: Mapping[str, EngineView], ttl: float) -> None:
-        """Publish the engine views (service name -> view), each with a TTL of `ttl` s."""
-        await engines.write_engines(self._redis, self.keys, views, ttl)
-
-    async def read_engines(self, name: str) -> EngineView | None:
-        """The service's engine view as last published, or None (none, expired, or
-        unreadable); invalid fields and records are dropped from it."""
-        return await engines.read_engines(self._redis, self.keys, name)
+            entries = await self._redis.xrevrange(self.keys.events(name), count=count)
+        out = []
+        for entry_id, raw in reversed(entries or []):
+            data = {text(key): text(value) for key, value in (raw or {}).items()}
+            out.append(
+                Event(
+                    id=text(entry_id or b""),
+                    kind=data.pop("kind", ""),
+                    at=float(data.pop("at", 0.0)),
+                    fields=data,
+                )
+            )
+        return out
 
     # -- the leader lease (controlplane/lease.py) ---------------------------------------------
 

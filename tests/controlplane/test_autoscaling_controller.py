@@ -106,7 +106,7 @@ class Harness:
         await self.client.hset(self.store.keys.rps(NAME), str(int(second)), count)
 
     async def decision(self) -> Any:
-        status = await self.store.read_autoscaler(NAME)
+        status = await self.store.telemetry.read_autoscaler(NAME)
         assert status is not None
         return status
 
@@ -344,7 +344,7 @@ async def test_a_decision_is_written_once_its_plan_is_committed(
     monkeypatch.setattr(h.store, "commit_with", refused)
     with pytest.raises(StoreUnavailable, match="injected"):
         await h.controller.step()
-    assert await h.store.read_autoscaler(NAME) is None
+    assert await h.store.telemetry.read_autoscaler(NAME) is None
     assert await h.store.replicas(NAME) == {}
 
     monkeypatch.setattr(h.store, "commit_with", committed)

@@ -6,7 +6,6 @@ and the demand nudges. Delays and the decision interval are shortened to seconds
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,12 @@ import aiohttp
 import pytest
 
 from controlplane import ops
-from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile import ControllerConfig
 from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.builders import RUN
-from tests.support.controllers import Controllers, proxy_for
+from tests.support.controllers import proxy_for
+from tests.support.fakes import StartController, controller_config
 from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
 
@@ -32,9 +32,6 @@ PROBE = {
 }
 LIVE = {"PROVISIONING", "PENDING", "STARTING", "READY", "NOT_READY"}
 
-StartController = Callable[..., Awaitable[Controller]]
-
-
 def spec(policy: dict[str, Any], *, use_spot: bool = False) -> ServiceSpec:
     doc: dict[str, Any] = {
         "service": {"readiness_probe": PROBE, "replica_policy": policy},
@@ -47,29 +44,11 @@ def spec(policy: dict[str, Any], *, use_spot: bool = False) -> ServiceSpec:
 
 
 @pytest.fixture
-async def start_controller(
-    store: Store, redis_url: str, redis_prefix: str, tmp_path: Path
-) -> AsyncIterator[StartController]:
-    controllers = Controllers()
-
-    async def start(**overrides: Any) -> Controller:
-        settings: dict[str, Any] = {
-            "drain_seconds": 0.5,
-            "reconcile_interval": 30.0,  # what happens below is nudges and deadlines
-            "term_timeout": 3.0,
-            "terminate_on_exit": True,
-            "autoscaler_interval": 0.5,
-            "autoscaler_zero_interval": 0.5,
-            "qps_window_seconds": 2,
-            **overrides,
-        }
-        config = ControllerConfig(
-            redis_url=redis_url, prefix=redis_prefix, state_dir=tmp_path / "state", **settings
-        )
-        return await controllers.start(store, config)
-
-    yield start
-    await controllers.aclose()
+def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
+    # What happens below is nudges and deadlines (a slow periodic reconcile).
+    return controller_config(redis_url, redis_prefix, tmp_path, lease_ttl=10.0,
+                             drain_seconds=0.5, autoscaler_interval=0.5,
+                             autoscaler_zero_interval=0.5, qps_window_seconds=2)  # fmt: skip
 
 
 def live(view: ops.ServiceView) -> list[ops.ReplicaStatusView]:
@@ -141,7 +120,7 @@ async def test_scale_from_zero_holds_the_first_request_and_answers_200(
     assert status == 200, body[:200]
     [replica] = (await ops.status(store, "svc"))[0].replicas
     assert replica.status == "READY"
-    decision = await store.read_autoscaler("svc")
+    decision = await store.telemetry.read_autoscaler("svc")
     assert decision is not None and decision.target == 1
     assert held < 20
 

@@ -74,7 +74,7 @@ async def test_a_malformed_rps_field_is_skipped_and_logged(
         await controller.step()  # does not raise
     assert "invalid rps value(s) written to Redis" in caplog.text
     # The autoscaler decided on what parsed (30 requests in the window).
-    status = await store.read_autoscaler("qps")
+    status = await store.telemetry.read_autoscaler("qps")
     assert status is not None and status.qps == pytest.approx(30 / QPS_WINDOW_SECONDS)
     # A field that is not a second with a count is deleted by the trim (nothing would
     # ever age it out; a proxy's HINCRBY on it would fail).

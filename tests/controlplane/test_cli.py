@@ -27,7 +27,14 @@ from controlplane.records import ReplicaRecord
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from proxy.wire.snapshot import ReadySnapshot
-from tests.support.cli import one_line_error, redis_keys, sluice, sluice_child, store_call
+from tests.support.cli import (
+    one_line_error,
+    redis_keys,
+    sluice,
+    sluice_child,
+    store_call,
+    wait_exit,
+)
 from tests.support.pids import descendants, kill_all, running
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
@@ -613,10 +620,7 @@ def test_run_serves_then_ctrl_c_leaves_nothing_running(tmp_path: Path) -> None:
         until_sync(lambda: ready() == 2, timeout=60, what="2 replicas ready", interval=0.2)
 
         proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+        code = wait_exit(proc, log, within=60)
         output = log.read_text()
         left = sorted(pid for pid in started if running(pid))
         kill_all(left)
@@ -655,10 +659,7 @@ def test_run_with_a_sentinel_url_serves_and_stops(
         # Serving means one replica is READY; the second may follow a moment later.
         until_sync(lambda: ready() == 2, timeout=60, what="both replicas READY")
         proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"sluice run still running 60s after SIGINT:\n{log.read_text()}")
+        code = wait_exit(proc, log, within=60)
     output = log.read_text()
     assert code == 0, output
     assert "Traceback" not in output
@@ -865,7 +866,7 @@ async def test_status_flags_a_proxy_lagging_behind(
                 ReplicaRecord(id=port - 23100, status=ReplicaStatus.READY,
                               url=f"http://127.0.0.1:{port}")])
         async def caught_up() -> bool:  # both heartbeats written, the live one at the last
-            beats = await store.read_proxies("echo")
+            beats = await store.telemetry.read_proxies("echo")
             return set(beats) == {"live", "stopped"} and beats["live"].generation == last.generation
 
         await until(caught_up, timeout=5.0, what="the heartbeats to catch up")

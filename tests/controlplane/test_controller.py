@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from controlplane.store import ServiceExists, ServiceNotFound, Store
 from proxy.wire.snapshot import ReadySnapshot, decode_snapshot
 from tests.support.builders import PROBE, RUN, make_spec, pid_of, ready_view
 from tests.support.controllers import proxy_for
-from tests.support.fakes import StartController, controller_config, controller_starter
+from tests.support.fakes import StartController, controller_config
 from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.ports import free_port
@@ -51,14 +51,6 @@ from tests.support.traffic import Traffic
 @pytest.fixture
 def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
     return controller_config(redis_url, redis_prefix, tmp_path)
-
-
-@pytest.fixture
-async def start_controller(
-    store: Store, config: ControllerConfig
-) -> AsyncIterator[StartController]:
-    async with controller_starter(store, config) as start:
-        yield start
 
 
 class SnapshotWatcher:
@@ -316,15 +308,23 @@ async def test_a_never_ready_version_stops_launching_and_status_says_why(
     assert view.launch_blocked is None and view.status == "READY"
 
 
+async def failed_then_stepped(
+    store: Store, start_controller: StartController, spec: ServiceSpec
+) -> ops.ServiceView:
+    """`spec` up until the service is FAILED; its view after 3 more controller steps
+    (which must not start another round)."""
+    controller = await start_controller()
+    await ops.up(store, "svc", spec)
+    await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
+    for _ in range(3):
+        await controller.step()
+    return (await ops.status(store, "svc"))[0]
+
+
 async def test_a_service_that_never_gets_ready_is_failed(
     store: Store, start_controller: StartController
 ) -> None:
-    controller = await start_controller()
-    await ops.up(store, "svc", make_spec(2, run="exit 1"))
-    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
-    for _ in range(3):
-        await controller.step()
-    view = (await ops.status(store, "svc"))[0]
+    view = await failed_then_stepped(store, start_controller, make_spec(2, run="exit 1"))
     assert view.status == "FAILED" and view.ready == 0
     assert view.launch_blocked is not None and "exited with code 1" in view.launch_blocked
     assert (await event_kinds(store, "svc")).count("launch") == 2  # one round, no loop
@@ -336,12 +336,8 @@ async def test_a_failed_setup_gives_up_a_version_that_never_served(
 ) -> None:
     # Sky: a setup that fails is FAILED_SETUP, a user-code failure (FAILED), not a
     # provisioning failure to retry; so one round of launches, not a loop.
-    controller = await start_controller()
-    await ops.up(store, "svc", make_spec(2, setup="echo no deps >&2; exit 4"))
-    view = await ops.wait_for(store, "svc", lambda v: v.status == "FAILED", 15)
-    for _ in range(3):
-        await controller.step()
-    view = (await ops.status(store, "svc"))[0]
+    spec = make_spec(2, setup="echo no deps >&2; exit 4")
+    view = await failed_then_stepped(store, start_controller, spec)
     assert view.status == "FAILED" and {r.status for r in view.replicas} == {"FAILED"}
     assert view.launch_blocked is not None and "setup of version 1 exited with code 4" in (
         view.launch_blocked
@@ -634,6 +630,45 @@ async def test_local_backend_failed_setup_fails_the_launch(tmp_path: Path) -> No
 # -- the prober ------------------------------------------------------------------------------
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def probing(handler: Handler) -> AsyncIterator[tuple[str, Prober, asyncio.Event]]:
+    """`handler` served on a free port (its URL), and a started real Prober setting the
+    event on each result; both closed on exit."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    try:
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        woken = asyncio.Event()
+        prober = Prober(clock=time.time, on_result=woken.set)
+        await prober.start()
+        try:
+            yield f"http://127.0.0.1:{port}", prober, woken
+        finally:
+            await prober.aclose()
+    finally:
+        await runner.cleanup()
+
+
+async def probe_results(
+    prober: Prober, woken: asyncio.Event, targets: list[tuple[ReplicaRecord, ReadinessProbe]],
+    timeout: float,
+) -> dict[int, ProbeResult]:  # fmt: skip
+    """Poll on each result until every target has one (within `timeout` s)."""
+    results: dict[int, ProbeResult] = {}
+    async with asyncio.timeout(timeout):
+        while len(results) < len(targets):
+            await woken.wait()
+            woken.clear()
+            results.update(prober.poll("svc", targets, time.time()))
+    return results
+
+
 async def test_prober_probes_concurrently_each_with_its_own_timeout() -> None:
     seen: list[tuple[str, str, bytes, str | None]] = []
 
@@ -648,17 +683,7 @@ async def test_prober_probes_concurrently_each_with_its_own_timeout() -> None:
                 return web.Response(status=503)
         return web.Response(text="ok")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    woken = asyncio.Event()
-    prober = Prober(clock=time.time, on_result=woken.set)
-    await prober.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
+    async with probing(handler) as (url, prober, woken):
         closed = f"http://127.0.0.1:{free_port()}"
 
         def replica(i: int, at: str = url) -> ReplicaRecord:
@@ -674,21 +699,12 @@ async def test_prober_probes_concurrently_each_with_its_own_timeout() -> None:
         started = time.monotonic()
         assert prober.poll("svc", targets, time.time()) == {}  # never waits for a probe
         assert time.monotonic() - started < 0.1
-        results: dict[int, ProbeResult] = {}
-        deadline = time.monotonic() + 5
-        while len(results) < 5:
-            assert time.monotonic() < deadline, results
-            await woken.wait()
-            woken.clear()
-            results.update(prober.poll("svc", targets, time.time()))
+        results = await probe_results(prober, woken, targets, 5)
         assert {i: r.ok for i, r in results.items()} == {1: True, 2: False, 3: False, 4: True,
                                                          5: False}  # fmt: skip
         assert results[2].detail == "timeout after 0.5s" and results[3].detail == "503"
         assert ("POST", "/p", b'{"q":1}', "k") in seen and ("GET", "/ok", b"", None) in seen
         assert time.monotonic() - started < 2  # concurrent: bounded by the slowest timeout
-    finally:
-        await prober.aclose()
-        await runner.cleanup()
 
 
 def test_probe_state_machine() -> None:
@@ -764,17 +780,7 @@ async def test_probe_follows_redirects_like_requests_bounded() -> None:
                 raise web.HTTPFound("/loop")
         return web.Response(status=404)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    woken = asyncio.Event()
-    prober = Prober(clock=time.time, on_result=woken.set)
-    await prober.start()
-    try:
-        url = f"http://127.0.0.1:{port}"
+    async with probing(handler) as (url, prober, woken):
         targets = [
             (ReplicaRecord(id=i, status=ReplicaStatus.STARTING, url=url), probe)
             for i, probe in enumerate(
@@ -788,17 +794,9 @@ async def test_probe_follows_redirects_like_requests_bounded() -> None:
             )
         ]
         prober.poll("svc", targets, time.time())
-        results: dict[int, ProbeResult] = {}
-        async with asyncio.timeout(15):
-            while len(results) < len(targets):
-                await woken.wait()
-                woken.clear()
-                results.update(prober.poll("svc", targets, time.time()))
+        results = await probe_results(prober, woken, targets, 15)
         assert {i: r.ok for i, r in results.items()} == {1: True, 2: True, 3: True, 4: False}
         assert "TooManyRedirects" in results[4].detail
-    finally:
-        await prober.aclose()
-        await runner.cleanup()
 
 
 async def test_control_subscription_decodes_nudges(

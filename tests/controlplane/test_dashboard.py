@@ -19,7 +19,6 @@ import aiohttp
 import msgspec
 import pytest
 import redis.asyncio as aioredis
-import trustme
 from aiohttp import web
 
 from controlplane.dashboard import DashboardConfig, DashboardConfigError, server
@@ -29,10 +28,12 @@ from controlplane.dashboard.server import make_app
 from controlplane.ops import ReplicaStatusView, ServiceView
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store
+from controlplane.store.telemetry import Telemetry
 from tests.support.builders import make_spec, registered, replica
 from tests.support.cli import one_line_error, sluice
 from tests.support.poll import until
 from tests.support.ports import HOST, free_port
+from tests.support.tls import write_cert
 
 Serve = Callable[..., Awaitable[tuple[Poller, str]]]
 WRITES = ("POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -205,11 +206,7 @@ async def test_security_headers_on_every_response(
 
 
 async def test_tls(store: Store, serve: Serve, tmp_path: Path) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST)
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(certfile)
-    cert.private_key_pem.write_to_path(keyfile)
+    ca, certfile, keyfile = write_cert(tmp_path)
     config = DashboardConfig(host="10.1.2.3", tls_certfile=str(certfile), tls_keyfile=str(keyfile))
     assert config.check() == ["no --token: anyone who reaches the port can read the fleet"]
     server_ssl = config.ssl_context()
@@ -253,10 +250,10 @@ class RawView(msgspec.Struct, frozen=True):
     replicas: dict[Any, Any]
 
 
-class EngineStore(Store):
-    """A store that has engine views (the engine-telemetry branch adds `read_engines`)."""
+class EngineTelemetry(Telemetry):
+    """Engine views with entries of any shape (the real read drops what does not parse)."""
 
-    async def read_engines(self, name: str) -> RawView:
+    async def read_engines(self, name: str) -> RawView:  # type: ignore[override]
         return RawView({
             1: {"waiting": 3, "running": 2, "kv_usage": 0.5, "nested": {"x": 1},
                 "bad": math.nan, "text": "<b>" + "y" * 200},
@@ -273,7 +270,10 @@ async def test_engine_dict_shown_when_the_store_has_one_and_absent_otherwise(
     await plain.step()
     doc = plain.service_body("svc")
     assert b'"engine"' not in doc
-    with_engines = Poller(EngineStore(redis_client, prefix=redis_prefix))
+    engine_store = Store(redis_client, prefix=redis_prefix)
+    engine_store.telemetry = EngineTelemetry(redis_client, engine_store.keys, time.time,
+                                             engine_store.rejects)  # fmt: skip
+    with_engines = Poller(engine_store)
     await with_engines.step()
     replicas = msgspec.json.decode(with_engines.service_body("svc"))["replicas"]
     engine = replicas[0]["engine"]
@@ -299,12 +299,12 @@ class View(msgspec.Struct, frozen=True, kw_only=True):
     replicas: dict[str, Stats] = {}
 
 
-class ViewStore(Store):
-    """A store whose `read_engines` answers a view, or None (nothing published)."""
+class ViewTelemetry(Telemetry):
+    """`read_engines` answers `view`, or None (nothing published)."""
 
     view: View | None = None
 
-    async def read_engines(self, name: str) -> View | None:
+    async def read_engines(self, name: str) -> View | None:  # type: ignore[override]
         return self.view
 
 
@@ -312,11 +312,13 @@ async def test_engine_view_struct_with_unknown_fields_absent(
     redis_client: aioredis.Redis, redis_prefix: str, store: Store,
 ) -> None:  # fmt: skip
     await _two_replicas(store)
-    view_store = ViewStore(redis_client, prefix=redis_prefix)
+    view_store = Store(redis_client, prefix=redis_prefix)
+    views = ViewTelemetry(redis_client, view_store.keys, time.time, view_store.rejects)
+    view_store.telemetry = views
     poller = Poller(view_store)
     await poller.step()  # None: no engine anywhere
     assert b'"engine"' not in (poller.service_body("svc") or b"")
-    view_store.view = View(service="svc", replicas={
+    views.view = View(service="svc", replicas={
         "2": Stats(url="http://127.0.0.1:20002", engine="llamacpp", running=1.0, waiting=0.0)})
     await poller.step()
     replicas = msgspec.json.decode(poller.service_body("svc") or b"")["replicas"]
@@ -426,8 +428,8 @@ async def test_request_rate_reads_only_the_last_seconds(
     await _two_replicas(store)
     key = store.keys.rps("svc")
     await redis_client.hset(key, mapping={"100": 7, "101": "x", "102": 9, "5": 1})
-    assert await store.read_rps_seconds("svc", range(100, 104)) == {100: 7, 102: 9}
-    assert await store.read_rps_seconds("svc", []) == {}
+    assert await store.telemetry.read_rps_seconds("svc", range(100, 104)) == {100: 7, 102: 9}
+    assert await store.telemetry.read_rps_seconds("svc", []) == {}
     now = 1_000_000.0
     await redis_client.hset(key, mapping={str(int(now) - 2): 42, str(int(now) - 1): 3})
     poller = Poller(store, clock=lambda: now)

@@ -34,6 +34,7 @@ from controlplane.dashboard import DashboardConfig
 from controlplane.dashboard.poller import Poller
 from controlplane.dashboard.server import make_app
 from controlplane.store import Store
+from controlplane.store.telemetry import Telemetry
 from proxy.wire.telemetry import ProxyHeartbeat
 from tests.support.browser import Chromium, Page, chromium_binary
 from tests.support.builders import make_spec, registered, replica
@@ -275,10 +276,10 @@ class EngineView(msgspec.Struct, frozen=True):
     replicas: dict[str, dict[str, Any]]
 
 
-class EngineStore(Store):
-    """A store with engine views, as the engine-telemetry work adds (`read_engines`)."""
+class EngineTelemetry(Telemetry):
+    """Engine views with an entry of any text (`read_engines`)."""
 
-    async def read_engines(self, name: str) -> EngineView:
+    async def read_engines(self, name: str) -> EngineView:  # type: ignore[override]
         return EngineView({"1": {"engine": "llamacpp", "waiting": 3, "running": 2,
                                  "kv_usage": 0.5, "ttft_p50": 0.125, "error": XSS}})  # fmt: skip
 
@@ -289,7 +290,8 @@ async def test_engine_columns_and_ttft_chart_when_engines_report(
     """With engine telemetry in the store, the service page grows an Engine column
     (queue, running, KV usage; other fields as text) and a TTFT chart; a replica without
     one shows a dash. (In-process dashboard on a real redis-server, real Chromium.)"""
-    store = EngineStore(redis_client, prefix=redis_prefix)
+    store = Store(redis_client, prefix=redis_prefix)
+    store.telemetry = EngineTelemetry(redis_client, store.keys, time.time, store.rejects)
     await registered(store, "svc", spec=make_spec(2).to_json())
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
     poller = Poller(store, interval=0.2)

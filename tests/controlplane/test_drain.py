@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -32,7 +31,7 @@ from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 from tests.support.builders import make_spec, pid_of, ready_view
 from tests.support.controllers import proxy_for
-from tests.support.fakes import StartController, controller_config, controller_starter
+from tests.support.fakes import StartController, controller_config
 from tests.support.pids import running
 from tests.support.poll import until
 from tests.support.processes import ProxyFactory
@@ -127,14 +126,6 @@ def test_status_shows_a_draining_replica_with_its_in_flight_count() -> None:
 def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
     # drain_seconds far beyond every wait below: only "idle" ends these drains.
     return controller_config(redis_url, redis_prefix, tmp_path, drain_seconds=90.0)
-
-
-@pytest.fixture
-async def start_controller(
-    store: Store, config: ControllerConfig
-) -> AsyncIterator[StartController]:
-    async with controller_starter(store, config) as start:
-        yield start
 
 
 async def drain_events(store: Store, name: str) -> list[dict[str, str]]:

@@ -26,10 +26,11 @@ from pathlib import Path
 import pytest
 
 from controlplane import ops
-from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile import Controller
 from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.builders import ready_view
+from tests.support.fakes import controller_config
 from tests.support.poll import until
 from tests.support.processes import REPO, ProxyFactory
 from tests.support.traffic import Traffic
@@ -77,15 +78,8 @@ async def test_ten_count_only_updates_lose_nothing_and_replace_nothing(
     tmp_path: Path,
     proxy_factory: ProxyFactory,
 ) -> None:
-    config = ControllerConfig(
-        redis_url=redis_url,
-        prefix=redis_prefix,
-        state_dir=tmp_path / "state",
-        drain_seconds=1.0,
-        reconcile_interval=5.0,
-        term_timeout=3.0,
-        terminate_on_exit=True,
-    )
+    config = controller_config(redis_url, redis_prefix, tmp_path, lease_ttl=10.0,
+                               reconcile_interval=5.0)  # fmt: skip
     controller = Controller(store, config)
     await controller.start()
     runner = asyncio.create_task(controller.run())

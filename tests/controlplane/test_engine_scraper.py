@@ -73,7 +73,7 @@ async def test_every_engine_is_read_and_the_rest_is_unknown(
         urls = [vllm.url, sglang.url, tgi.url, llama.url, plain.url, closed, silent]
         scraper.track("svc", [ScrapeTarget(i, url, interval=1.0) for i, url in enumerate(urls)])
         await scraper.step()
-    view = await store.read_engines("svc")
+    view = await store.telemetry.read_engines("svc")
     assert view is not None and view.service == "svc"
     got = {int(k): v for k, v in view.replicas.items()}
     assert [got[i].engine for i in range(7)] == ["vllm", "sglang", "tgi", "llamacpp", "unknown",
@@ -108,7 +108,7 @@ async def test_a_queue_shows_within_one_scrape_and_clears_after(
 
         async def queued() -> bool:
             await scraper.step()
-            view = await store.read_engines("svc")
+            view = await store.telemetry.read_engines("svc")
             assert view is not None
             fake, real = view.replicas["1"], view.replicas["2"]
             return (fake.running, fake.waiting) == (2, 4) and (real.waiting or 0) >= 1
@@ -122,12 +122,12 @@ async def test_a_queue_shows_within_one_scrape_and_clears_after(
 
         async def drained() -> bool:
             await scraper.step()
-            view = await store.read_engines("svc")
+            view = await store.telemetry.read_engines("svc")
             assert view is not None
             return all(r.running == 0 and r.waiting == 0 for r in view.replicas.values())
 
         await until(drained, timeout=20, what="both queues to drain")
-    view = await store.read_engines("svc")
+    view = await store.telemetry.read_engines("svc")
     assert view is not None
     fake = view.replicas["1"]
     # The six requests finished in the interval before: vLLM's TTFT histogram moved.
@@ -148,7 +148,7 @@ async def test_a_failing_replica_is_asked_less_and_less_often(
             now[0] += 1.0
         # 2, 4, 8, 16 s of backoff, then every 30 s: 6 attempts, not 40.
         assert s.scrapes <= 6, seen
-        view = await store.read_engines("svc")
+        view = await store.telemetry.read_engines("svc")
         assert view is not None and view.replicas["1"].engine == "unknown"
     finally:
         await s.aclose()
@@ -162,7 +162,7 @@ async def test_a_page_over_the_size_bound_is_not_parsed(
     try:
         s.track("svc", [ScrapeTarget(1, vllm.url)])
         await s.step()
-        view = await s._store.read_engines("svc")
+        view = await s._store.telemetry.read_engines("svc")
         assert view is not None
         assert view.replicas["1"].error == "metrics page over 1024 bytes"
         assert view.replicas["1"].running is None

@@ -12,7 +12,6 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,12 @@ import aiohttp
 import pytest
 
 from controlplane import ops
-from controlplane.reconcile import Controller, ControllerConfig
+from controlplane.reconcile import ControllerConfig
 from controlplane.servicespec import ServiceSpec, parse_spec
 from controlplane.store import Store
 from tests.support.cli import sluice
-from tests.support.controllers import Controllers, proxy_for
+from tests.support.controllers import proxy_for
+from tests.support.fakes import StartController, controller_config
 from tests.support.llama import MODEL_ALIAS, binary, launch_env, model_path, unavailable
 from tests.support.poll import until
 from tests.support.processes import REPO, ProxyFactory
@@ -34,7 +34,6 @@ pytestmark = pytest.mark.slow
 PROBE = {"path": "/health", "endpoint_probe_interval_seconds": 0.3, "timeout_seconds": 2,
          "initial_delay_seconds": 60}  # fmt: skip
 LIVE = {"PROVISIONING", "PENDING", "STARTING", "READY", "NOT_READY"}
-StartController = Callable[..., Awaitable[Controller]]
 
 
 def llama_run(slots: int, ctx: int) -> str:
@@ -53,27 +52,14 @@ def spec(service: dict[str, Any], *, slots: int = 1, ctx: int = 2048) -> Service
 
 
 @pytest.fixture
-async def start_controller(
-    store: Store, redis_url: str, redis_prefix: str, tmp_path: Path
-) -> AsyncIterator[StartController]:
+def config(redis_url: str, redis_prefix: str, tmp_path: Path) -> ControllerConfig:
     reason = unavailable()
     if reason:
         pytest.skip(reason)
     model_path()  # written once, before any replica needs it
-    controllers = Controllers()
-
-    async def start(**overrides: Any) -> Controller:
-        settings: dict[str, Any] = {
-            "drain_seconds": 1.0, "reconcile_interval": 1.0, "term_timeout": 3.0,
-            "terminate_on_exit": True, "autoscaler_interval": 0.5,
-            "autoscaler_zero_interval": 0.5, **overrides,
-        }  # fmt: skip
-        config = ControllerConfig(redis_url=redis_url, prefix=redis_prefix,
-                                  state_dir=tmp_path / "state", **settings)  # fmt: skip
-        return await controllers.start(store, config)
-
-    yield start
-    await controllers.aclose()
+    return controller_config(redis_url, redis_prefix, tmp_path, lease_ttl=10.0,
+                             drain_seconds=1.0, reconcile_interval=1.0,
+                             autoscaler_interval=0.5, autoscaler_zero_interval=0.5)  # fmt: skip
 
 
 class Load:

@@ -95,7 +95,7 @@ async def test_a_hostile_proxy_user_cannot_stop_the_controller(
             # The autoscaler decides again (every 20 s) on what it read after the attack.
             async def decided() -> bool:
                 await _attack(as_proxy)
-                status = await store.read_autoscaler("llm")
+                status = await store.telemetry.read_autoscaler("llm")
                 return status is not None and status.at > attacked_at
 
             await until(decided, timeout=60, interval=0.5, what="an autoscaling decision")
@@ -114,7 +114,7 @@ async def test_a_hostile_proxy_user_cannot_stop_the_controller(
             await until(replaced, timeout=60, interval=0.5, what="a replacement replica")
             snapshot = await store.snapshot("llm")
             assert snapshot is not None and first.id not in [r.id for r in snapshot.replicas]
-            decision = await store.read_autoscaler("llm")
+            decision = await store.telemetry.read_autoscaler("llm")
             assert decision is not None and 1 <= decision.target <= 2, decision
             assert decision.qps is not None and 0 <= decision.qps < 10
         assert not controller.done()

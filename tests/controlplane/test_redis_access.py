@@ -24,19 +24,18 @@ import shlex
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import aiohttp
 import pytest
 import redis
 import redis.asyncio as aioredis
-import trustme
 from click.testing import Result
 
 from controlplane import ops
 from controlplane.reconcile import ControllerConfig, run_controller
-from controlplane.redisserver import EmbeddedRedis, RedisServerError, RedisTls
+from controlplane.redisserver import EmbeddedRedis, RedisServerError
 from controlplane.servicespec import parse_spec
 from controlplane.store import Store
 from tests.support.cli import sluice, spawn_sluice
@@ -44,6 +43,7 @@ from tests.support.pids import descendants
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
 from tests.support.processes import REPO, ProxyFactory, ReplicaFactory, http_get
+from tests.support.tls import redis_tls
 
 DOCS = REPO / "docs" / "redis.md"
 CONTROLLER_PASSWORD = "controller-pw-for-tests"
@@ -96,9 +96,14 @@ def _documented_acl_commands() -> list[list[str]]:
     return commands
 
 
-@pytest.fixture
-def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, binary=redis7)
+def documented_users(
+    redis7: str, tmp_path: Path, options: Sequence[tuple[str, str]] = (),
+    prepare: Callable[[redis.Redis], None] | None = None,
+) -> Iterator[EmbeddedRedis]:  # fmt: skip
+    """An acl_server fixture's body: a redis-server (with `options`) whose admin creates
+    the ACL users docs/redis.md documents, then runs `prepare(admin)`; stopped after."""
+    server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, binary=redis7,
+                           options=options)  # fmt: skip
     server.start()
     try:
         admin = redis.Redis.from_url(server.url)
@@ -107,11 +112,18 @@ def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
                 args = [a.replace("CONTROLLER_PASSWORD", CONTROLLER_PASSWORD)
                         .replace("PROXY_PASSWORD", PROXY_PASSWORD) for a in args]  # fmt: skip
                 assert admin.execute_command(*args) == b"OK", args
+            if prepare is not None:
+                prepare(admin)
         finally:
             admin.close()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    yield from documented_users(redis7, tmp_path)
 
 
 def _user_url(server: EmbeddedRedis, user: str, password: str) -> str:
@@ -266,14 +278,8 @@ def test_controller_acl_user_cannot_administer_redis(acl_server: EmbeddedRedis) 
 @pytest.fixture
 def tls_server(redis7: str, tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, Path]]:
     """A TLS-only redis-server with a password, and the CA file that signed its certificate."""
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST, "localhost")
     certs = tmp_path / "certs"
-    certs.mkdir()
-    ca.cert_pem.write_to_path(str(certs / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(certs / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(certs / "cert.pem"))
-    tls = RedisTls(str(certs / "cert.pem"), str(certs / "key.pem"), str(certs / "ca.pem"))
+    tls = redis_tls(certs)
     server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, tls=tls, binary=redis7)
     try:
         server.start()

@@ -19,12 +19,11 @@ from controlplane.redisserver import EmbeddedRedis
 from controlplane.servicespec import parse_spec
 from controlplane.store import Store, StoreError
 from tests.controlplane.test_redis_access import (  # noqa: F401 (fixtures)
-    ADMIN_PASSWORD,
     CONTROLLER_PASSWORD,
     PROXY_PASSWORD,
-    _documented_acl_commands,
     _user_url,
     controller,
+    documented_users,
     redis7,
 )
 from tests.support.poll import until
@@ -36,24 +35,12 @@ VALUE = b"x" * (8 * 1024 * 1024 - 64)  # just under proto-max-bulk-len
 @pytest.fixture
 def acl_server(redis7: str, tmp_path: Path) -> Iterator[EmbeddedRedis]:  # noqa: F811
     """The documented ACL users on a Redis with maxmemory a little above what it uses."""
-    server = EmbeddedRedis(tmp_path / "redis", password=ADMIN_PASSWORD, binary=redis7,
-                           options=[("maxmemory-policy", "noeviction"),
-                                    ("proto-max-bulk-len", "8mb")])  # fmt: skip
-    server.start()
-    try:
-        admin = redis.Redis.from_url(server.url)
-        try:
-            for args in _documented_acl_commands():
-                args = [a.replace("CONTROLLER_PASSWORD", CONTROLLER_PASSWORD)
-                        .replace("PROXY_PASSWORD", PROXY_PASSWORD) for a in args]  # fmt: skip
-                admin.execute_command(*args)
-            used = int(admin.info("memory")["used_memory"])
-            admin.config_set("maxmemory", str(used + HEADROOM))
-        finally:
-            admin.close()
-        yield server
-    finally:
-        server.stop()
+    def above_use(admin: redis.Redis) -> None:
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory", str(used + HEADROOM))
+
+    options = [("maxmemory-policy", "noeviction"), ("proto-max-bulk-len", "8mb")]
+    yield from documented_users(redis7, tmp_path, options, above_use)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 
 from controlplane.run.config import DOWN_SLACK, RunConfig
 from controlplane.servicespec import load_spec
-from tests.support.cli import sluice_child
+from tests.support.cli import sluice_child, wait_exit
 from tests.support.pids import descendants
 from tests.support.poll import until_sync
 from tests.support.ports import HOST, free_port
@@ -91,11 +91,7 @@ def _ready_stream(proc: subprocess.Popen[bytes], log: Path, port: int, events: i
 
 
 def _exit(proc: subprocess.Popen[bytes], log: Path, within: float) -> tuple[int, str]:
-    try:
-        code = proc.wait(timeout=within)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"sluice run still running {within}s after SIGINT:\n{log.read_text()}")
-    return code, log.read_text()
+    return wait_exit(proc, log, within), log.read_text()
 
 
 def test_the_wait_covers_the_drain_bound_unless_given() -> None:

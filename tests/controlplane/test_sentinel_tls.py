@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-import trustme
 
 from controlplane.records import ReplicaRecord, ServiceRecord
 from controlplane.redisserver import RedisServerError, RedisTls
@@ -30,20 +29,14 @@ from tests.support.cli import sluice
 from tests.support.poll import retrying
 from tests.support.ports import HOST
 from tests.support.sentinel import SentinelGroup
+from tests.support.tls import redis_tls
 
 PASSWORD = "data-pw-for-tests"
 
 
 @pytest.fixture
 def certs(tmp_path: Path) -> RedisTls:
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST, "localhost")
-    d = tmp_path / "certs"
-    d.mkdir()
-    ca.cert_pem.write_to_path(str(d / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(d / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(d / "cert.pem"))
-    return RedisTls(str(d / "cert.pem"), str(d / "key.pem"), str(d / "ca.pem"))
+    return redis_tls(tmp_path / "certs")
 
 
 @pytest.fixture

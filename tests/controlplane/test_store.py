@@ -426,10 +426,10 @@ async def test_rps_read_and_trim(store: Store, redis_client: aioredis.Redis) -> 
     await redis_client.hincrby(key, "100", 5)
     await redis_client.hincrby(key, "101", 7)
     await redis_client.hincrby(key, "100", 1)
-    assert await store.read_rps("svc") == {100: 6, 101: 7}
-    assert await store.trim_rps("svc", before=101) == 1
-    assert await store.read_rps("svc") == {101: 7}
-    assert await store.trim_rps("svc", before=50) == 0
+    assert await store.telemetry.read_rps("svc") == {100: 6, 101: 7}
+    assert await store.telemetry.trim_rps("svc", before=101) == 1
+    assert await store.telemetry.read_rps("svc") == {101: 7}
+    assert await store.telemetry.trim_rps("svc", before=50) == 0
 
 
 async def test_leader_lease(store: Store) -> None:
@@ -493,7 +493,7 @@ async def test_reads_of_an_unknown_service_are_empty(store: Store) -> None:
     assert await store.snapshot("none") is None
     assert await store.generation("none") == 0
     assert await store.events("none") == []
-    assert await store.read_rps("none") == {}
+    assert await store.telemetry.read_rps("none") == {}
 
 
 async def test_prefix_options_reach_the_snapshot_and_a_change_publishes(store: Store) -> None:

@@ -123,17 +123,17 @@ async def test_a_hash_over_its_bounds_is_deleted_unread(
 ) -> None:
     key = store.keys.inflight("svc")
     await redis_client.hset(key, mapping={f"p{i}": "{}" for i in range(MAX_FIELDS + 1)})
-    assert await store.read_inflight("svc") == {}
+    assert await store.telemetry.read_inflight("svc") == {}
     assert await redis_client.exists(key) == 0
     assert store.rejects.counts[("svc", "inflight")] == 1
     # 33 MiB in one field: over the byte bound, deleted without being transferred.
     big = store.keys.proxies("svc")
     await redis_client.hset(big, "p", b"x" * (33 * 1024 * 1024))
-    assert await store.read_proxies("svc") == {}
+    assert await store.telemetry.read_proxies("svc") == {}
     assert await redis_client.exists(big) == 0
     # Within the bounds: a bad field is skipped and deleted, a good one kept.
     await redis_client.hset(key, mapping={b"\xff": b"{}", "ok": '{"at": 1, "total": 3}'})
-    entries = await store.read_inflight("svc")
+    entries = await store.telemetry.read_inflight("svc")
     assert list(entries) == ["ok"] and entries["ok"].total == 3
     assert await redis_client.hkeys(key) == [b"ok"]
 

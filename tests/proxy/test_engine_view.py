@@ -49,7 +49,7 @@ async def test_the_view_reaches_the_replicas_and_metrics(
 ) -> None:
     ready_set, stats = followed
     one, two = (r.url for r in ready_set.replicas)
-    await store.write_engines({"svc": EngineView(service="svc", replicas={
+    await store.telemetry.write_engines({"svc": EngineView(service="svc", replicas={
         "1": EngineStats(url=one, engine="vllm", at=1.0, running=3, waiting=7, kv_usage=0.5,
                          kv_capacity_tokens=32768, ttft_p50=0.2, ttft_p99=1.5),
         "2": EngineStats(url=two, engine="unknown", at=1.0, error="HTTP 404"),
@@ -98,7 +98,7 @@ async def test_the_view_gone_makes_every_replica_unknown(
 ) -> None:  # fmt: skip
     ready_set, _ = followed
     one, _ = (r.url for r in ready_set.replicas)
-    await store.write_engines({"svc": EngineView(replicas={
+    await store.telemetry.write_engines({"svc": EngineView(replicas={
         "1": EngineStats(url=one, waiting=1)})}, ttl=10)  # fmt: skip
     await until(lambda: engines(ready_set)[1] is not None, what="the view")
     await redis_client.delete(Keys(redis_prefix).engines("svc"))  # as when its TTL ends
@@ -110,7 +110,7 @@ async def test_a_record_for_a_url_not_in_the_set_is_ignored(
 ) -> None:
     ready_set, _ = followed
     one, _ = (r.url for r in ready_set.replicas)
-    await store.write_engines({"svc": EngineView(replicas={
+    await store.telemetry.write_engines({"svc": EngineView(replicas={
         "1": EngineStats(url="http://127.0.0.1:1", waiting=5),
         "2": EngineStats(url=one, waiting=2),  # keyed by another id: the URL decides
     })}, ttl=10)  # fmt: skip
@@ -127,7 +127,7 @@ async def test_redis_gone_makes_every_replica_unknown(
     async with Store.from_url(server.url, prefix=redis_prefix) as store:
         await registered(store, spec=b"{}")
         snap = await store.commit("svc", replica_updates=[replica(1)])
-        await store.write_engines({"svc": EngineView(replicas={
+        await store.telemetry.write_engines({"svc": EngineView(replicas={
             "1": EngineStats(url=snap.replicas[0].url, waiting=9)})}, ttl=30)  # fmt: skip
     config = ProxyConfig(redis_url=server.url, service="svc", redis_prefix=redis_prefix,
                          engine_load=True)  # fmt: skip

@@ -299,7 +299,7 @@ async def test_each_proxy_heartbeats_the_generation_it_serves(
     beats: dict[str, Any] = {}
 
     async def fresh() -> bool:
-        beats.update(await store.read_proxies("svc"))
+        beats.update(await store.telemetry.read_proxies("svc"))
         return len(beats) == 2 and all(b.generation == last for b in beats.values())
 
     await until(fresh, timeout=5.0, what="both proxies' heartbeats at the last generation")
@@ -313,8 +313,8 @@ async def test_each_proxy_heartbeats_the_generation_it_serves(
                                                                 strict=True))
     # A proxy that stopped is pruned once its heartbeat is stale.
     await one.source.aclose()
-    assert len(await store.read_proxies("svc", stale_after=3600)) == 2
-    assert await store.read_proxies("svc", stale_after=-1) == {}
+    assert len(await store.telemetry.read_proxies("svc", stale_after=3600)) == 2
+    assert await store.telemetry.read_proxies("svc", stale_after=-1) == {}
 
 
 async def test_a_failed_flush_keeps_the_count(

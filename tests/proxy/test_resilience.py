@@ -24,7 +24,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-import trustme
 
 from tests.support import rawhttp
 from tests.support.harness import (
@@ -41,6 +40,7 @@ from tests.support.poll import until
 from tests.support.ports import HOST, free_port
 from tests.support.processes import Proxy, ProxyFactory, Replica, ReplicaFactory
 from tests.support.rawhttp import get
+from tests.support.tls import write_cert
 
 SLACK = 1.5  # seconds on top of a configured timeout, for a busy 2-core machine
 
@@ -640,11 +640,7 @@ async def test_sigterm_drains_in_flight_and_refuses_new_connections(
 async def test_tls_termination(
     tmp_path: Path, proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
 ) -> None:
-    ca = trustme.CA()
-    cert = ca.issue_cert(HOST)
-    certfile, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(certfile)
-    cert.private_key_pem.write_to_path(keyfile)
+    ca, certfile, keyfile = write_cert(tmp_path)
     [rep] = await replica_factory.astart(1)
     proxy = await proxy_factory.astart(*BASE_ARGS, "--tls-certfile", str(certfile),
                                        "--tls-keyfile", str(keyfile), replicas=[rep])

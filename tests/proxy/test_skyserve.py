@@ -11,27 +11,16 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-import trustme
 
 from proxy.sources.skyserve_protocol import parse_sync_reply
 from tests.support.poll import until_sync
 from tests.support.ports import free_port
 from tests.support.processes import https_get
-from tests.support.skyserve_stub import StubController, threaded_stub_code
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[StubController]:
-    controller = StubController()
-    await controller.start(free_port())
-    try:
-        yield controller
-    finally:
-        await controller.aclose()
+from tests.support.skyserve_stub import threaded_stub_code
+from tests.support.tls import write_cert
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -142,11 +131,7 @@ async def test_empty_reply_then_replicas_gives_no_client_error(
 
 def test_run_load_balancer_serves_with_tls(tmp_path, replica_factory) -> None:
     (r1,) = replica_factory(1)
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1")
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert.cert_chain_pems[0].write_to_path(cert_path)
-    cert.private_key_pem.write_to_path(key_path)
+    ca, cert_path, key_path = write_cert(tmp_path)
     ctrl_port, lb_port = free_port(), free_port()
     # A tiny synchronous stub controller in the child, so this test needs no event loop.
     script = threaded_stub_code(ctrl_port, r1.url) + textwrap.dedent(f"""

@@ -15,12 +15,10 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import msgspec
-import pytest
 import trustme
 
 from proxy.policies import InstanceAwareLeastLoad
@@ -31,18 +29,7 @@ from tests.support.harness import ManualSource, ScriptedUpstream, inprocess_prox
 from tests.support.poll import until, until_sync
 from tests.support.ports import HOST, free_port
 from tests.support.processes import Proxy, https_get
-from tests.support.skyserve_stub import StubController, threaded_stub_code
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[StubController]:
-    controller = StubController()
-    await controller.start(free_port())
-    try:
-        yield controller
-    finally:
-        await controller.aclose()
-
+from tests.support.skyserve_stub import threaded_stub_code
 
 # -- 1. syncs never reuse a connection the controller may have closed ----------------------
 

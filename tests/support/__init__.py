@@ -25,6 +25,7 @@ Builders and drivers:
 - `harness`: an in-process proxy with a test-driven ready set, a scripted upstream,
   metrics scraping.
 - `rawhttp`: byte-exact HTTP/1.1 client connections.
+- `tls`: a CA and a certificate it signed, as PEM files (`write_cert`, `redis_tls`).
 - `traffic`: open-loop HTTP load with every request timed.
 - `faultproxy`: a TCP proxy in front of Redis that drops chosen commands.
 - `sentinel`: `SentinelGroup`, a private Redis Sentinel deployment (primary, replicas,
@@ -33,11 +34,13 @@ Builders and drivers:
   console errors, screenshots); skips when no chromium is installed.
 
 Named fakes, for what cannot run here:
-- `skyserve_stub`: a stub Sky Serve controller (the load-balancer sync protocol).
+- `skyserve_stub`: a stub Sky Serve controller (the load-balancer sync protocol; the
+  `stub` fixture).
 - `skypilot_fake`: a fake SkyPilot SDK whose "clusters" are local processes.
 - `fakes`: `FakeBackend` and `FakeProber` for controllers driven by `step()` on a fake
-  clock; also `controller_config()` and `controller_starter()`, the config and starter
-  the end-to-end controller tests share.
+  clock; also `controller_config()`, `controller_starter()` and the `start_controller`
+  fixture (on the module's `config`), the config and starter the end-to-end controller
+  tests share.
 
 Programs tests start as processes (``python -m tests.support.<name>``):
 - `replica_app`: the replica every test runs; `slow_health_replica`: one whose /health

@@ -10,7 +10,8 @@
   test (what the CLI would find, or a record as the controller would write it).
 - `spawn_sluice(argv, log, env)` / `with sluice_child(...)`: ``python -m
   controlplane.cli`` as a child process of the test (the latter kills it and whatever
-  it started when the block ends).
+  it started when the block ends); `wait_exit(proc, log, within)`: its exit code after
+  a SIGINT, the test failed with its log if it outlives `within` s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
 import redis
 from click.testing import CliRunner, Result
 
@@ -104,3 +106,12 @@ def sluice_child(
         if proc.poll() is None:
             kill_all([proc.pid, *descendants(proc.pid)])
         proc.wait(10)
+
+
+def wait_exit(proc: subprocess.Popen[bytes], log: Path, within: float) -> int:
+    """`proc`'s exit code, waiting up to `within` s (after its SIGINT); fails the test
+    with its log if it still runs."""
+    try:
+        return proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"sluice run still running {within}s after SIGINT:\n{log.read_text()}")

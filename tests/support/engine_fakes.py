@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.processes import HOST, Process, _Factory
+from tests.support.processes import HOST, Process, _Factory, closed_after
 
 
 class EngineFake(Process):
@@ -39,8 +39,4 @@ class EngineFakeFactory(_Factory):
 
 @pytest.fixture
 def engine_fakes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFakeFactory]:
-    factory = EngineFakeFactory(tmp_path_factory.mktemp("engine-fakes"))
-    try:
-        yield factory
-    finally:
-        factory.close(timeout=5.0)
+    yield from closed_after(EngineFakeFactory(tmp_path_factory.mktemp("engine-fakes")), 5.0)

@@ -1,6 +1,6 @@
 """FAKE replica backend and FAKE prober for controller tests that drive `step()` on a
-fake clock (no processes, no HTTP); and the controller config and controller starter
-the end-to-end tests share.
+fake clock (no processes, no HTTP); and the controller config, controller starter and
+`start_controller` fixture (on the module's `config` fixture) the end-to-end tests share.
 
 `FakeBackend`: a launch succeeds at once with a fake pid (unless the spec's envs say
 BROKEN=provision; BROKEN=crash makes its "process" exit at once); `kill()` makes a
@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from controlplane.backends.base import Launched, LaunchFailed
 from controlplane.prober import ProbeResult
@@ -153,3 +155,13 @@ async def controller_starter(
         yield start
     finally:
         await controllers.aclose()
+
+
+@pytest.fixture
+async def start_controller(
+    store: Store, config: ControllerConfig
+) -> AsyncIterator[StartController]:
+    """`controller_starter` on the test module's `config` fixture (a plugin fixture:
+    tests/conftest.py); a module that starts controllers otherwise defines its own."""
+    async with controller_starter(store, config) as start:
+        yield start

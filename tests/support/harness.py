@@ -31,6 +31,7 @@ from proxy.wire.snapshot import ReadyReplica
 from tests.support.builders import snapshot
 from tests.support.ports import HOST
 from tests.support.processes import Replica
+from tests.support.rawhttp import HeaderList
 
 BASE_ARGS = ("--host", HOST, "--shutdown-grace", "2")
 
@@ -120,19 +121,11 @@ async def inprocess_proxy(source: ManualSource, **options: Any) -> AsyncIterator
 
 
 @dataclass
-class SeenRequest:
+class SeenRequest(HeaderList):
     method: str = ""
     url: str = ""
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
-
-    def all(self, name: str) -> list[str]:
-        lname = name.lower()
-        return [v for k, v in self.headers if k.lower() == lname]
-
-    @property
-    def names(self) -> set[str]:
-        return {k.lower() for k, _ in self.headers}
 
 
 Reply = Callable[[SeenRequest], bytes]

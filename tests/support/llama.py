@@ -68,7 +68,7 @@ from typing import Any
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.processes import HOST, Process, _Factory, http_get
+from tests.support.processes import HOST, Process, _Factory, closed_after, http_get
 
 MODEL_VERSION = "random-llama-v1"  # bump when the model's bytes change
 MODEL_ALIAS = "sluice-test-llama"  # the model name the servers answer to
@@ -363,8 +363,4 @@ def llama_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaFac
     reason = unavailable()
     if reason:
         pytest.skip(reason)
-    factory = LlamaFactory(tmp_path_factory.mktemp("llama"), model_path())
-    try:
-        yield factory
-    finally:
-        factory.close(timeout=10.0)
+    yield from closed_after(LlamaFactory(tmp_path_factory.mktemp("llama"), model_path()), 10.0)

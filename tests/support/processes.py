@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeVar
 
 import pytest
 
@@ -45,20 +45,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
     """Blocking GET, for fixtures and sync checks: (status, body)."""
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
+    return _get(http.client.HTTPConnection(host, port, timeout=timeout), path)
 
 
 def https_get(
     host: str, port: int, path: str, context: ssl.SSLContext, timeout: float = 2.0
 ) -> tuple[int, bytes]:
     """Blocking GET over TLS: (status, body)."""
-    conn = http.client.HTTPSConnection(host, port, context=context, timeout=timeout)
+    return _get(http.client.HTTPSConnection(host, port, context=context, timeout=timeout), path)
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -367,19 +364,23 @@ class ProxyFactory(_Factory):
         return p
 
 
-@pytest.fixture
-def replica_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaFactory]:
-    factory = ReplicaFactory(tmp_path_factory.mktemp("replicas"))
+F = TypeVar("F", bound=_Factory)
+
+
+def closed_after(factory: F, timeout: float) -> Iterator[F]:
+    """A factory fixture's body: yield `factory`, then stop every process it started
+    (SIGTERM, SIGKILL after `timeout` s)."""
     try:
         yield factory
     finally:
-        factory.close(timeout=5.0)
+        factory.close(timeout=timeout)
+
+
+@pytest.fixture
+def replica_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaFactory]:
+    yield from closed_after(ReplicaFactory(tmp_path_factory.mktemp("replicas")), 5.0)
 
 
 @pytest.fixture
 def proxy_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyFactory]:
-    factory = ProxyFactory(tmp_path_factory.mktemp("proxy"))
-    try:
-        yield factory
-    finally:
-        factory.close(timeout=10.0)
+    yield from closed_after(ProxyFactory(tmp_path_factory.mktemp("proxy")), 10.0)

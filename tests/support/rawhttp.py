@@ -21,13 +21,11 @@ HOST = "127.0.0.1"
 READ_TIMEOUT = 10.0
 
 
-@dataclass
-class Response:
-    status: int
+class HeaderList:
+    """Lookups over `self.headers`, the (name, value) pairs as received (names in any
+    case, repeats kept)."""
+
     headers: list[tuple[str, str]]
-    body: bytes = b""
-    framing: str = "none"  # "length", "chunked", "close" or "none" (no body by definition)
-    chunks: list[bytes] = field(default_factory=list)  # chunk payloads as received
 
     def header(self, name: str) -> str | None:
         values = self.all(name)
@@ -40,6 +38,15 @@ class Response:
     @property
     def names(self) -> set[str]:
         return {k.lower() for k, _ in self.headers}
+
+
+@dataclass
+class Response(HeaderList):
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    framing: str = "none"  # "length", "chunked", "close" or "none" (no body by definition)
+    chunks: list[bytes] = field(default_factory=list)  # chunk payloads as received
 
 
 async def read_head(reader: asyncio.StreamReader) -> tuple[int, list[tuple[str, str]]]:

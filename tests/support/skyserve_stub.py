@@ -3,7 +3,8 @@ the real controller needs a cloud).
 
 `StubController`: in the test's loop; it records every timestamp it receives and
 answers from a script: a list of replica sets, the last one repeated; it can be
-told to fail or to delay its answers.
+told to fail or to delay its answers. The `stub` fixture (a plugin fixture:
+tests/conftest.py) is one on a free port.
 
 `threaded_stub_code(port, replica_url)`: Python source that starts the same protocol's
 simplest answer (one replica, gpu_type A100) in a thread, for a child process that
@@ -15,10 +16,14 @@ from __future__ import annotations
 import asyncio
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from aiohttp import web
+
+from tests.support.ports import free_port
 
 
 @dataclass
@@ -89,3 +94,14 @@ def threaded_stub_code(port: int, replica_url: str) -> str:
         srv = http.server.ThreadingHTTPServer(('127.0.0.1', {port}), H)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     """)
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[StubController]:
+    """A StubController serving on a free port, closed after the test."""
+    controller = StubController()
+    await controller.start(free_port())
+    try:
+        yield controller
+    finally:
+        await controller.aclose()
