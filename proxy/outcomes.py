@@ -1,0 +1,186 @@
+"""Routing you can check: the `prefix` policy's predicted cache hits against the engine's.
+
+When the `prefix` policy routes a request whose prefix it already knows (a
+longest-prefix LRU hit, or a placed family on its replica) it *predicts* a hit:
+it expects the replica to hold the prompt's prefix in its KV cache. Engines say
+what they actually reused, in the response body:
+
+- llama.cpp: `"cache_n": N` in `"timings"` (the non-streamed body; the last SSE
+  event of a stream);
+- vLLM, SGLang and OpenAI: `"cached_tokens": N` in
+  `usage.prompt_tokens_details` (in a stream only when the client asked for
+  `stream_options.include_usage`; vLLM only with `--enable-prompt-tokens-details`).
+
+`cached_tokens(data, previous)` finds that report in a body chunk without a
+JSON parse: one `bytes.find` for the common marker `"cache`, then at most
+`MAX_MARKERS` occurrences per chunk are looked at, each costing a bounded
+number of byte reads (whitespace runs up to `MAX_SPACE`, at most `MAX_DIGITS`
+digits). A report counts only when it looks like a JSON key: the marker's
+quote is preceded (whitespace aside) by `{` or `,`, so a `"cache_n"` inside a
+string (whose quotes are escaped, `\\"`) is not one. The digits must end
+inside the chunk. What is therefore missed, by design: a report split across
+two body chunks (the upstream read boundary fell inside it), a report past the
+8th marker in one chunk, a number of more than 12 digits, `null`, and
+compressed bodies. The last report of a response wins (vLLM's continuous usage
+stats repeat it).
+
+Counts, per replica, two lists (predicted hit, predicted miss), each
+`[engine hit, engine miss, cached tokens, hit threshold]`. An engine hit is a
+report of at least one routing block's worth of tokens (`block_bytes / 4`, 64
+by default), not merely > 0: engines reuse the chat template's opening across
+unrelated prompts (vLLM caches whole 16-token blocks, and Llama 3's system
+header is ~30 tokens; llama.cpp reuses a slot's common first tokens), so
+"> 0" would call nearly every request on a warm replica a hit. The policy keys
+on complete blocks only, so a prefix shorter than one block is not one it
+predicts either.
+The policy hands the request the list for its decision (`request.outcome`, no
+allocation); the exchange adds the report when the response completes
+(`record`). A response without a report counts nowhere. The exposition
+(`prefix_metrics`) reads them at scrape time, with the families the placement
+table holds per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+MARKER = b'"cache'
+_KEY_N = b'_n"'  # "cache_n" (llama.cpp)
+_KEY_TOKENS = b'd_tokens"'  # "cached_tokens" (vLLM, SGLang, OpenAI)
+MAX_MARKERS = 8  # occurrences of the marker looked at per body chunk
+MAX_SPACE = 64  # whitespace bytes skipped around the key and the colon (pretty JSON)
+MAX_DIGITS = 12  # longer numbers are not a report (10^12 tokens is no prompt)
+NO_REPORT = -1
+
+# Indexes into one outcome list.
+ENGINE_HIT, ENGINE_MISS, CACHED_TOKENS, HIT_TOKENS = 0, 1, 2, 3
+# Indexes into a replica's (predicted hit, predicted miss) pair.
+PREDICTED_HIT, PREDICTED_MISS = 0, 1
+
+_SPACE = frozenset(b" \t\r\n")
+_KEY_BEFORE = frozenset(b"{,")
+_NUMBER_END = frozenset(b",} \t\r\n")
+
+
+def cached_tokens(data: bytes, previous: int) -> int:
+    """The cached prompt tokens the last engine report in `data` gives, else `previous`."""
+    pos = data.find(MARKER)
+    if pos < 0:
+        return previous
+    return _reports(data, pos, previous)
+
+
+def _reports(data: bytes, pos: int, found: int) -> int:
+    n = len(data)
+    for _ in range(MAX_MARKERS):
+        value, end = _report_at(data, pos, n)
+        if value >= 0:
+            found = value
+        pos = data.find(MARKER, end)
+        if pos < 0:
+            break
+    return found
+
+
+def _report_at(data: bytes, pos: int, n: int) -> tuple[int, int]:
+    """(the report whose marker starts at `pos`, or NO_REPORT; where to look on)."""
+    i = pos + len(MARKER)
+    if data.startswith(_KEY_N, i):
+        i += len(_KEY_N)
+    elif data.startswith(_KEY_TOKENS, i):
+        i += len(_KEY_TOKENS)
+    else:
+        return NO_REPORT, i
+    # A key, not text inside a string: `{` or `,` before its quote (whitespace aside).
+    j = pos - 1
+    stop = max(-1, pos - 1 - MAX_SPACE)
+    while j > stop and data[j] in _SPACE:
+        j -= 1
+    if j <= stop or data[j] not in _KEY_BEFORE:
+        return NO_REPORT, i
+    limit = min(n, i + MAX_SPACE)
+    while i < limit and data[i] in _SPACE:
+        i += 1
+    if i >= n or data[i] != 0x3A:  # ':'
+        return NO_REPORT, i
+    i += 1
+    limit = min(n, i + MAX_SPACE)
+    while i < limit and data[i] in _SPACE:
+        i += 1
+    start = i
+    limit = min(n, start + MAX_DIGITS + 1)
+    while i < limit and 0x30 <= data[i] <= 0x39:
+        i += 1
+    digits = i - start
+    if digits == 0 or digits > MAX_DIGITS or i >= n or data[i] not in _NUMBER_END:
+        return NO_REPORT, i  # no number, too long, or it may go on in the next chunk
+    return int(data[start:i]), i
+
+
+def record(outcome: list[int], cached: int) -> None:
+    """A response reported `cached` (>= 0) cached prompt tokens: count it in `outcome`."""
+    outcome[ENGINE_HIT if cached >= outcome[HIT_TOKENS] else ENGINE_MISS] += 1
+    outcome[CACHED_TOKENS] += cached
+
+
+def new_outcomes(hit_tokens: int) -> tuple[list[int], list[int]]:
+    """A replica's (predicted hit, predicted miss) counters; an engine hit is a report
+    of at least `hit_tokens` cached tokens (at least 1)."""
+    hit_tokens = max(1, hit_tokens)
+    return [0, 0, 0, hit_tokens], [0, 0, 0, hit_tokens]
+
+
+def prefix_metrics(policy: Any, worker: str) -> Iterator[Metric]:
+    """The prefix policy's checkable routing, per replica (read at scrape time)."""
+    outcomes: dict[str, tuple[list[int], list[int]]] | None = getattr(
+        policy, "outcomes", None)
+    if outcomes is None:
+        return
+    placement = getattr(policy, "placement", None)
+    if placement is not None:
+        families = GaugeMetricFamily(
+            "sluice_prefix_families", "Prompt families the prefix policy's placement table "
+            "holds per replica (placement: capacity, or auto with Redis)",
+            labels=["replica", "worker"])
+        capacity = GaugeMetricFamily(
+            "sluice_prefix_family_capacity", "Families a replica can keep cached, as the "
+            "placement counts them (engine slots, KV tokens / window, or the default)",
+            labels=["replica", "worker"])
+        caps = placement.capacity
+        for replica, count in placement.placed.items():
+            families.add_metric([replica.url, worker], count)
+            cap = caps.get(replica)
+            if cap is not None:
+                capacity.add_metric([replica.url, worker], cap)
+        yield families
+        yield capacity
+    confusion = CounterMetricFamily(
+        "sluice_prefix_outcomes", "Responses whose engine reported its cached prompt tokens "
+        "(llama.cpp timings.cache_n, usage.prompt_tokens_details.cached_tokens), by the "
+        "prefix policy's prediction (hit: it routed a known prefix or placed family to "
+        "this replica) and the engine's report (hit: at least one routing block's worth "
+        "of cached tokens, block_bytes / 4); responses without a report count nowhere",
+        labels=["replica", "predicted", "engine", "worker"])
+    tokens = CounterMetricFamily(
+        "sluice_prefix_engine_cached_tokens", "Cached prompt tokens the engine reported, "
+        "summed over the responses counted in sluice_prefix_outcomes_total",
+        labels=["replica", "worker"])
+    reports = CounterMetricFamily(
+        "sluice_prefix_engine_reports", "Responses with an engine report of cached prompt "
+        "tokens (the sum of sluice_prefix_outcomes_total over predicted and engine)",
+        labels=["replica", "worker"])
+    for url, pair in outcomes.items():
+        total_tokens = total_reports = 0
+        for predicted, counts in zip(("hit", "miss"), pair, strict=True):
+            confusion.add_metric([url, predicted, "hit", worker], counts[ENGINE_HIT])
+            confusion.add_metric([url, predicted, "miss", worker], counts[ENGINE_MISS])
+            total_tokens += counts[CACHED_TOKENS]
+            total_reports += counts[ENGINE_HIT] + counts[ENGINE_MISS]
+        tokens.add_metric([url, worker], total_tokens)
+        reports.add_metric([url, worker], total_reports)
+    yield confusion
+    yield tokens
+    yield reports
