@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.outcomes import MAX_DIGITS, MAX_MARKERS, NO_REPORT, cached_tokens, new_outcomes, record
+from proxy.readyset import ReadySet
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from tests.support.harness import BASE_ARGS, metric, scrape
 from tests.support.ports import free_port
 from tests.support.processes import HOST, Process, ProxyFactory, _Factory
@@ -148,6 +150,87 @@ def test_a_huge_hostile_body_is_scanned_to_the_end() -> None:
     body = b'{"cache_n":' * 200_000 + b"{" + b'"cache_n":' + b"7" * 1_000_000 + b"}"
     assert scan(body) == NO_REPORT
     assert len(body) > MAX_MARKERS
+
+
+# -- the policy's predictions -------------------------------------------------------------
+
+
+class Req:
+    """What the policy reads and writes of a request (the Exchange has the same fields)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = [body]
+        self.req_headers: list[tuple[bytes, bytes]] = []
+        self.route_key: tuple[int, ...] | None = None
+        self.outcome: list[int] | None = None
+
+
+def ready_set(policy: str, placement: str = "rendezvous", n: int = 3,
+              clock: Any = None) -> ReadySet:
+    rs = ReadySet(clock=clock) if clock is not None else ReadySet()
+    publish(rs, policy, placement, n)
+    return rs
+
+
+def publish(rs: ReadySet, policy: str, placement: str, n: int, generation: int = 1) -> None:
+    replicas = [ReadyReplica(id=i, url=f"http://10.0.0.{i}:8000", version=1)
+                for i in range(1, n + 1)]  # fmt: skip
+    rs.apply(ReadySnapshot(service="s", generation=generation, published_at=0.0,
+                           status="READY", policy=policy, active_versions=[1],
+                           replicas=replicas,
+                           prefix_options=PrefixOptions(placement=placement)))  # fmt: skip
+
+
+def predicted(rs: ReadySet, body: bytes) -> str:
+    req = Req(body)
+    chosen = rs.choose(None, req)
+    assert chosen is not None and req.outcome is not None
+    hit, miss = rs.policy.outcomes[chosen.url]  # type: ignore[attr-defined]
+    assert req.outcome is hit or req.outcome is miss
+    return "hit" if req.outcome is hit else "miss"
+
+
+def raw(seed: int, question: str) -> bytes:
+    return json.dumps(chat(seed, question)).encode()
+
+
+@pytest.mark.parametrize("placement", ["rendezvous", "capacity"])
+def test_a_request_is_a_predicted_hit_only_once_its_prefix_is_known(placement: str) -> None:
+    rs = ready_set("prefix", placement)
+    assert predicted(rs, raw(1, "first")) == "miss"
+    assert predicted(rs, raw(1, "second")) == "hit"  # the LRU (and the family) know it
+    assert predicted(rs, raw(2, "first")) == "miss"
+    assert predicted(rs, b'{"messages":[]}') == "miss"  # no key: the fallback
+
+
+def test_a_placed_family_is_a_predicted_hit_even_without_the_lru() -> None:
+    rs = ready_set("prefix", "capacity")
+    session = [(b"x-session-id", b"abc")]
+    first, again = Req(b"{}"), Req(b"{}")
+    first.req_headers = again.req_headers = session  # a session: a one-hash key, no LRU
+    a = rs.choose(None, first)
+    b = rs.choose(None, again)
+    assert a is b and a is not None
+    hit, miss = rs.policy.outcomes[a.url]  # type: ignore[attr-defined]
+    assert first.outcome is miss and again.outcome is hit
+
+
+def test_other_policies_leave_the_response_unscanned() -> None:
+    rs = ready_set("least_load")
+    req = Req(raw(1, "first"))
+    assert rs.choose(None, req) is not None
+    assert req.outcome is None
+
+
+def test_outcome_series_go_with_their_replica() -> None:
+    now = [0.0]
+    rs = ready_set("prefix", n=3, clock=lambda: now[0])
+    outcomes = rs.policy.outcomes  # type: ignore[attr-defined]
+    assert len(outcomes) == 3
+    publish(rs, "prefix", "rendezvous", 2, generation=2)
+    now[0] = 1000.0
+    rs.sweep()
+    assert sorted(outcomes) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
 
 
 # -- through a real proxy to scripted-engine processes ------------------------------------
