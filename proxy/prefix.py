@@ -41,7 +41,10 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
-bound); exported on the admin port's /metrics.
+bound); exported on the admin port's /metrics. Each decision is also a prediction
+(proxy/outcomes.py): a hit when a known prefix (LRU) or a placed family goes to its
+replica, else a miss; the request gets that replica's counters for it (`outcome`),
+and the exchange counts the engine's reported cached tokens into them.
 """
 
 from __future__ import annotations
