@@ -47,7 +47,7 @@ from proxy.interfaces import (
     ReplicaView,
     UpstreamLink,
 )
-from proxy.outcomes import NO_REPORT, cached_tokens, record
+from proxy.outcomes import MARKER, NO_REPORT, SCAN_FROM, cached_tokens, record
 
 if TYPE_CHECKING:
     from proxy.accesslog import AccessLog
@@ -487,7 +487,8 @@ class Exchange:
         self.resp_bytes += len(data)
         if self.discard_body:
             return
-        if self.outcome is not None:  # the engine's cached prompt tokens, if it says
+        # The engine's report of cached prompt tokens (prefix policy only; proxy/outcomes.py).
+        if self.outcome is not None and data.find(MARKER, SCAN_FROM) >= 0:
             self.cached = cached_tokens(data, self.cached)
         if self.resp_chunked:
             self.out.append(b"%x\r\n" % len(data))

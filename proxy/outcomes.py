@@ -12,15 +12,20 @@ what they actually reused, in the response body:
   `stream_options.include_usage`; vLLM only with `--enable-prompt-tokens-details`).
 
 `cached_tokens(data, previous)` finds that report in a body chunk without a
-JSON parse: one `bytes.find` for the common marker `"cache`, then at most
+JSON parse: one `bytes.find` for the common marker `"cache` in the chunk's last
+`SCAN_TAIL` bytes (engines put the report last: llama.cpp's `cache_n` is ~250
+bytes before the end of its body and of its stream's last event, vLLM's usage
+closes its body and its stream), so a chunk costs the same however large; the
+exchange does that find inline and calls in here only on a match. Then at most
 `MAX_MARKERS` occurrences per chunk are looked at, each costing a bounded
 number of byte reads (whitespace runs up to `MAX_SPACE`, at most `MAX_DIGITS`
 digits). A report counts only when it looks like a JSON key: the marker's
 quote is preceded (whitespace aside) by `{` or `,`, so a `"cache_n"` inside a
 string (whose quotes are escaped, `\\"`) is not one. The digits must end
 inside the chunk. What is therefore missed, by design: a report split across
-two body chunks (the upstream read boundary fell inside it), a report past the
-8th marker in one chunk, a number of more than 12 digits, `null`, and
+two body chunks (the upstream read boundary fell inside it), a report more than
+`SCAN_TAIL` bytes before the end of its chunk, a report past the 8th marker in
+one chunk, a number of more than 12 digits, `null`, and
 compressed bodies. The last report of a response wins (vLLM's continuous usage
 stats repeat it).
 
@@ -48,6 +53,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 MARKER = b'"cache'
+SCAN_TAIL = 2048  # bytes at the end of a body chunk looked at
+SCAN_FROM = -SCAN_TAIL  # bytes.find(MARKER, SCAN_FROM): the start of that tail
 _KEY_N = b'_n"'  # "cache_n" (llama.cpp)
 _KEY_TOKENS = b'd_tokens"'  # "cached_tokens" (vLLM, SGLang, OpenAI)
 MAX_MARKERS = 8  # occurrences of the marker looked at per body chunk
@@ -67,7 +74,7 @@ _NUMBER_END = frozenset(b",} \t\r\n")
 
 def cached_tokens(data: bytes, previous: int) -> int:
     """The cached prompt tokens the last engine report in `data` gives, else `previous`."""
-    pos = data.find(MARKER)
+    pos = data.find(MARKER, SCAN_FROM)
     if pos < 0:
         return previous
     return _reports(data, pos, previous)

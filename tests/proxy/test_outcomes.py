@@ -17,7 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.outcomes import MAX_DIGITS, MAX_MARKERS, NO_REPORT, cached_tokens, new_outcomes, record
+from proxy.outcomes import (
+    MAX_DIGITS,
+    MAX_MARKERS,
+    NO_REPORT,
+    SCAN_TAIL,
+    cached_tokens,
+    new_outcomes,
+    record,
+)
 from proxy.readyset import ReadySet
 from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
 from tests.support.harness import BASE_ARGS, metric, scrape
@@ -82,6 +90,17 @@ def test_at_most_max_markers_are_looked_at_per_chunk() -> None:
     decoys = b'{"cache_prompt":1,' * MAX_MARKERS
     assert scan(decoys + b'"cache_n":5}') == NO_REPORT  # the 9th marker of the chunk
     assert scan(decoys, b'{"cache_n":5}') == 5  # the next chunk starts afresh
+
+
+def test_only_a_chunks_tail_is_looked_at() -> None:
+    report = b',"timings":{"cache_n":42}}'
+    pad = b'{"content":"' + b"a" * 100_000 + b'"'
+    assert scan(pad + report) == 42  # at the end of a large chunk
+    head = b'{"t":{"cache_n":42}'  # the marker starts at byte 6
+    after = b',"more":"' + b"b" * (SCAN_TAIL + 6 - len(head) - 11) + b'"}'
+    assert len(head + after) == SCAN_TAIL + 6
+    assert scan(head + after) == 42  # the tail starts at the marker
+    assert scan(head + after + b" ") == NO_REPORT  # one byte more: the marker is before it
 
 
 def test_a_report_split_across_chunks_is_missed_never_misread() -> None:
