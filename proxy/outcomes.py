@@ -53,7 +53,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 MARKER = b'"cache'
-SCAN_TAIL = 2048  # bytes at the end of a body chunk looked at
+SCAN_TAIL = 1024  # bytes at the end of a body chunk looked at (4x what the engines need)
 SCAN_FROM = -SCAN_TAIL  # bytes.find(MARKER, SCAN_FROM): the start of that tail
 _KEY_N = b'_n"'  # "cache_n" (llama.cpp)
 _KEY_TOKENS = b'd_tokens"'  # "cached_tokens" (vLLM, SGLang, OpenAI)
