@@ -17,9 +17,10 @@ JSON parse: one `bytes.find` for the common marker `"cache` in the chunk's last
 bytes before the end of its body and of its stream's last event, vLLM's usage
 closes its body and its stream), so a chunk costs the same however large; the
 exchange does that find inline and calls in here only on a match. Then at most
-`MAX_MARKERS` occurrences per chunk are looked at, each costing a bounded
-number of byte reads (whitespace runs up to `MAX_SPACE`, at most `MAX_DIGITS`
-digits). A report counts only when it looks like a JSON key: the marker's
+`MAX_MARKERS` occurrences per chunk are looked at, each with one anchored,
+bounded regular-expression match (key, colon, number: whitespace runs up to
+`MAX_SPACE`, at most `MAX_DIGITS` digits) and a look back of at most
+`MAX_SPACE` bytes. A report counts only when it looks like a JSON key: the marker's
 quote is preceded (whitespace aside) by `{` or `,`, so a `"cache_n"` inside a
 string (whose quotes are escaped, `\\"`) is not one. The digits must end
 inside the chunk. What is therefore missed, by design: a report split across
@@ -47,6 +48,7 @@ table holds per replica.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,8 +57,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 MARKER = b'"cache'
 SCAN_TAIL = 1024  # bytes at the end of a body chunk looked at (4x what the engines need)
 SCAN_FROM = -SCAN_TAIL  # bytes.find(MARKER, SCAN_FROM): the start of that tail
-_KEY_N = b'_n"'  # "cache_n" (llama.cpp)
-_KEY_TOKENS = b'd_tokens"'  # "cached_tokens" (vLLM, SGLang, OpenAI)
 MAX_MARKERS = 8  # occurrences of the marker looked at per body chunk
 MAX_SPACE = 64  # whitespace bytes skipped around the key and the colon (pretty JSON)
 MAX_DIGITS = 12  # longer numbers are not a report (10^12 tokens is no prompt)
@@ -69,7 +69,11 @@ PREDICTED_HIT, PREDICTED_MISS = 0, 1
 
 _SPACE = frozenset(b" \t\r\n")
 _KEY_BEFORE = frozenset(b"{,")
-_NUMBER_END = frozenset(b",} \t\r\n")
+# The key, the colon and the number, matched at a marker (bounded: no unbounded repeat).
+# The number must be followed by `,`, `}` or whitespace inside the chunk: one that reaches
+# the chunk's end may go on in the next one, and is not read.
+_REPORT = re.compile(rb'"cache(?:_n|d_tokens)"[ \t\r\n]{0,%d}:[ \t\r\n]{0,%d}([0-9]{1,%d})'
+                     rb"[,} \t\r\n]" % (MAX_SPACE, MAX_SPACE, MAX_DIGITS))
 
 
 def cached_tokens(data: bytes, previous: int) -> int:
@@ -81,9 +85,8 @@ def cached_tokens(data: bytes, previous: int) -> int:
 
 
 def _reports(data: bytes, pos: int, found: int) -> int:
-    n = len(data)
     for _ in range(MAX_MARKERS):
-        value, end = _report_at(data, pos, n)
+        value, end = _report_at(data, pos)
         if value >= 0:
             found = value
         pos = data.find(MARKER, end)
@@ -92,39 +95,21 @@ def _reports(data: bytes, pos: int, found: int) -> int:
     return found
 
 
-def _report_at(data: bytes, pos: int, n: int) -> tuple[int, int]:
+def _report_at(data: bytes, pos: int) -> tuple[int, int]:
     """(the report whose marker starts at `pos`, or NO_REPORT; where to look on)."""
-    i = pos + len(MARKER)
-    if data.startswith(_KEY_N, i):
-        i += len(_KEY_N)
-    elif data.startswith(_KEY_TOKENS, i):
-        i += len(_KEY_TOKENS)
-    else:
-        return NO_REPORT, i
+    m = _REPORT.match(data, pos)
+    if m is None:
+        return NO_REPORT, pos + len(MARKER)
     # A key, not text inside a string: `{` or `,` before its quote (whitespace aside).
     j = pos - 1
-    stop = max(-1, pos - 1 - MAX_SPACE)
+    stop = pos - 1 - MAX_SPACE
+    if stop < -1:
+        stop = -1
     while j > stop and data[j] in _SPACE:
         j -= 1
     if j <= stop or data[j] not in _KEY_BEFORE:
-        return NO_REPORT, i
-    limit = min(n, i + MAX_SPACE)
-    while i < limit and data[i] in _SPACE:
-        i += 1
-    if i >= n or data[i] != 0x3A:  # ':'
-        return NO_REPORT, i
-    i += 1
-    limit = min(n, i + MAX_SPACE)
-    while i < limit and data[i] in _SPACE:
-        i += 1
-    start = i
-    limit = min(n, start + MAX_DIGITS + 1)
-    while i < limit and 0x30 <= data[i] <= 0x39:
-        i += 1
-    digits = i - start
-    if digits == 0 or digits > MAX_DIGITS or i >= n or data[i] not in _NUMBER_END:
-        return NO_REPORT, i  # no number, too long, or it may go on in the next chunk
-    return int(data[start:i]), i
+        return NO_REPORT, m.end()
+    return int(m.group(1)), m.end()
 
 
 def record(outcome: list[int], cached: int) -> None:
