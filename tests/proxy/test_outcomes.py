@@ -419,3 +419,18 @@ async def test_a_hostile_report_is_relayed_intact_and_never_misread(
     tokens = total(samples, "sluice_prefix_engine_cached_tokens_total", [engine.url])
     # The hostile response counted with its real report or not at all; never a decoy.
     assert (reports, tokens) in ((1, after), (2, real + after)), (reports, tokens, real)
+
+
+async def test_streams_watched_for_resumption_are_scanned_too(
+    cache_engines: CacheEngines, proxy_factory: ProxyFactory,
+) -> None:
+    [engine] = await cache_engines.astart("llama", ["a"])
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix", "--resume-streams",
+                                       replicas=[engine.url])
+    async with aiohttp.ClientSession() as http:
+        first = await post(http, proxy.url, chat(4, "first", stream=True))
+        again = await post(http, proxy.url, chat(4, "second", stream=True))
+        samples = await scrape(proxy.admin_url)
+    assert first[1] < 64 <= again[1]
+    assert cells(samples, [engine.url]) == {
+        ("miss", "miss"): 1, ("hit", "hit"): 1, ("miss", "hit"): 0, ("hit", "miss"): 0}
