@@ -9,7 +9,8 @@ what they actually reused, in the response body:
   event of a stream);
 - vLLM, SGLang and OpenAI: `"cached_tokens": N` in
   `usage.prompt_tokens_details` (in a stream only when the client asked for
-  `stream_options.include_usage`; vLLM only with `--enable-prompt-tokens-details`).
+  `stream_options.include_usage`; vLLM only with `--enable-prompt-tokens-details`,
+  SGLang with `--enable-cache-report`).
 
 `cached_tokens(data, previous)` finds that report in a body chunk without a
 JSON parse: one `bytes.find` for the common marker `"cache` in the chunk's last
