@@ -24,6 +24,7 @@ class Req:
         self.req_headers: list[tuple[bytes, bytes]] = []
         self.body = [body]
         self.route_key: tuple[int, ...] | None = None
+        self.outcome: list[int] | None = None
 
 
 def run(policy: str, bodies: list[bytes], n: int = 20000) -> float:

@@ -47,6 +47,7 @@ from proxy.interfaces import (
     ReplicaView,
     UpstreamLink,
 )
+from proxy.outcomes import MARKER, NO_REPORT, SCAN_FROM, cached_tokens, record
 
 if TYPE_CHECKING:
     from proxy.accesslog import AccessLog
@@ -104,6 +105,7 @@ class Exchange:
         "body_done",
         "body_len",
         "body_whole",
+        "cached",
         "chunked",
         "client",
         "close_after",
@@ -120,6 +122,7 @@ class Exchange:
         "is_head",
         "last_error",
         "out",
+        "outcome",
         "pool",
         "progress",
         "progress_at",
@@ -155,6 +158,10 @@ class Exchange:
         self.has_body = has_body
         self.req_headers: list[tuple[bytes, bytes]] = []  # read by routing policies
         self.route_key: tuple[int, ...] | None = None  # computed by the prefix policy
+        # The prefix policy's counters for its prediction (proxy/outcomes.py; None: not
+        # prefix-routed, the response is not scanned) and the engine's report (-1: none).
+        self.outcome: list[int] | None = None
+        self.cached = NO_REPORT
         self.awaiting_body = False  # holding the body's first bytes before choosing
         # -- the request body
         self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
@@ -480,6 +487,9 @@ class Exchange:
         self.resp_bytes += len(data)
         if self.discard_body:
             return
+        # The engine's report of cached prompt tokens (prefix policy only; proxy/outcomes.py).
+        if self.outcome is not None and data.find(MARKER, SCAN_FROM) >= 0:
+            self.cached = cached_tokens(data, self.cached)
         if self.resp_chunked:
             self.out.append(b"%x\r\n" % len(data))
             self.out.append(data)
@@ -505,6 +515,8 @@ class Exchange:
         stats = self.ctx.stats
         stats.upstream_latency.observe(self.ctx.loop.time() - self.started)
         stats.count_response(self.status)
+        if self.outcome is not None and self.cached >= 0:
+            record(self.outcome, self.cached)
         self.finish(self.close_after)
 
     def on_upstream_error(self, error: str) -> None:

@@ -170,6 +170,8 @@ class Routable(Protocol):
     req_headers: list[tuple[bytes, bytes]]
     body: list[bytes]
     route_key: tuple[int, ...] | None  # None until computed; () when the request has none
+    # The prefix policy's outcome counters for its decision (proxy/outcomes.py); None: none.
+    outcome: list[int] | None
 
 
 class Policy(Protocol):

@@ -13,6 +13,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from proxy.outcomes import prefix_metrics
 from proxy.prefix import REASONS
 from proxy.readyset import ReadySet
 from proxy.stats import BUCKETS, Histogram, Stats
@@ -141,6 +142,7 @@ class ProxyCollector:
                 for reason, count in zip(REASONS, counts, strict=True):
                     family.add_metric([url, reason, self._worker], count)
             yield family
+        yield from prefix_metrics(ready_set.policy, self._worker)  # proxy/outcomes.py
         yield GaugeMetricFamily("sluice_ready_replicas", "Replicas in the ready set",
                                 value=len(ready_set.replicas))
 

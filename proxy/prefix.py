@@ -41,7 +41,10 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
-bound); exported on the admin port's /metrics.
+bound); exported on the admin port's /metrics. Each decision is also a prediction
+(proxy/outcomes.py): a hit when a known prefix (LRU) or a placed family goes to its
+replica, else a miss; the request gets that replica's counters for it (`outcome`),
+and the exchange counts the engine's reported cached tokens into them.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from collections.abc import Sequence
 from zlib import crc32
 
 from proxy.interfaces import Policy, ReplicaView, Routable
+from proxy.outcomes import PREDICTED_HIT, PREDICTED_MISS, new_outcomes
 from proxy.placement import PlacementTable
 from proxy.wire.snapshot import PrefixOptions
 
@@ -183,6 +187,14 @@ class PrefixPolicy:
         # replica URL -> [affinity, spill, fallback]; kept across snapshots.
         self.routed: dict[str, list[int]] = {}
         self._counts: dict[ReplicaView, list[int]] = {}
+        # replica URL -> (predicted hit, predicted miss) outcome counters (proxy/outcomes.py):
+        # a routed request gets the list of its replica and prediction, the exchange
+        # counts the engine's report into it.
+        self.outcomes: dict[str, tuple[list[int], list[int]]] = {}
+        self._outcomes: dict[ReplicaView, tuple[list[int], list[int]]] = {}
+        self._predicted = PREDICTED_MISS  # of the decision being made (set by choose)
+        # An engine hit: at least one block's worth of cached tokens (~4 bytes a token).
+        self._hit_tokens = opts.block_bytes // 4
         # Placement by load and free cache capacity (proxy/placement.py); None: rendezvous.
         self.placement: PlacementTable | None = None
         if opts.placement == "capacity":
@@ -206,9 +218,12 @@ class PrefixPolicy:
         self._seeds = [replica_seed(r.url) for r in self._replicas]
         self._orders = [None] * SLOTS  # filled on first use, per snapshot
         counts = {}
+        outcomes = {}
         for r in self._replicas:
             counts[r] = self.routed.setdefault(r.url, [0, 0, 0])
+            outcomes[r] = self.outcomes.setdefault(r.url, new_outcomes(self._hit_tokens))
         self._counts = counts
+        self._outcomes = outcomes
         if self.placement is not None:
             self.placement.update(self._replicas)
 
@@ -233,18 +248,27 @@ class PrefixPolicy:
                request: Routable | None = None) -> ReplicaView | None:
         if not self._replicas:
             return None
-        key = self.key_of(request) if request is not None else _NO_KEY
-        if not key:
+        if request is None:
             return self._fall_back(exclude)
-        if len(key) > 1 and self._lru_size:
-            return self._choose_known(key, exclude)
-        # A prefix this proxy never routed may not load a replica above the mean (so
-        # unshared traffic balances like least_load); a known one, or a session, may
-        # take (1 + epsilon) x the mean: its cache is worth waiting for.
-        factor = self._load_factor if len(key) == 1 else 1.0
-        if self.placement is not None:
-            return self._choose_placed(key, exclude, factor, -1)
-        return self._choose_agreed(key, exclude, factor, -1, None)
+        key = self.key_of(request)
+        self._predicted = PREDICTED_MISS  # a hit only where a known prefix is routed
+        if not key:
+            chosen = self._fall_back(exclude)
+        elif len(key) > 1 and self._lru_size:
+            chosen = self._choose_known(key, exclude)
+        else:
+            # A prefix this proxy never routed may not load a replica above the mean (so
+            # unshared traffic balances like least_load); a known one, or a session, may
+            # take (1 + epsilon) x the mean: its cache is worth waiting for.
+            factor = self._load_factor if len(key) == 1 else 1.0
+            if self.placement is not None:
+                chosen = self._choose_placed(key, exclude, factor, -1)
+            else:
+                chosen = self._choose_agreed(key, exclude, factor, -1, None)
+        if chosen is not None:
+            pair = self._outcomes.get(chosen)  # None: a fallback outside the set
+            request.outcome = pair[self._predicted] if pair is not None else None
+        return chosen
 
     def _choose_known(self, key: tuple[int, ...],
                       exclude: set[ReplicaView] | None) -> ReplicaView | None:
@@ -295,7 +319,9 @@ class PrefixPolicy:
 
     def _routed_known(self, key: tuple[int, ...], d: int, chosen: ReplicaView,
                       reason: int) -> ReplicaView:
-        """Routed on known block `key[d]`: its deeper blocks go where it went."""
+        """Routed on known block `key[d]`: its deeper blocks go where it went (a
+        predicted hit: the replica got this prefix before)."""
+        self._predicted = PREDICTED_HIT
         if len(key) - 1 > d:
             lru = self._lru
             for h in key[d + 1:]:
@@ -382,9 +408,11 @@ class PrefixPolicy:
                         continue
                 chosen = r
                 break
-            if chosen is not None and chosen is fam.secondary:
-                fam.secondary_used = table.now
-                reason = SPILL
+            if chosen is not None:
+                self._predicted = PREDICTED_HIT  # the family's own replica
+                if chosen is fam.secondary:
+                    fam.secondary_used = table.now
+                    reason = SPILL
         if chosen is None:
             if capacity < 0:
                 capacity = self._capacity(factor)

@@ -172,6 +172,9 @@ class ReadySet:
                 routed = getattr(self.policy, "routed", None)
                 if isinstance(routed, dict):
                     routed.pop(url, None)
+                outcomes = getattr(self.policy, "outcomes", None)
+                if isinstance(outcomes, dict):
+                    outcomes.pop(url, None)
 
     def close(self) -> None:
         for replica in self.known.values():

@@ -44,6 +44,7 @@ from proxy import http
 from proxy.continuation import Continue, Kind, NotResumable, Seam, event_end, plan
 from proxy.exchange import DONE, NEW, STREAMING, Exchange, ExchangeContext
 from proxy.interfaces import ClientView, ConnectionPool, UpstreamLink
+from proxy.outcomes import MARKER, NO_REPORT, SCAN_FROM, cached_tokens
 
 log = logging.getLogger("sluice.proxy")
 
@@ -135,6 +136,8 @@ class ResumableExchange(Exchange):
             return
         self.progress += 1
         self.resp_bytes += len(data)  # the replica's bytes (access log, a cut's log line)
+        if self.outcome is not None and data.find(MARKER, SCAN_FROM) >= 0:
+            self.cached = cached_tokens(data, self.cached)  # as Exchange does (outcomes.py)
         if self.partial:
             data = self.partial + data
             self.partial = b""
@@ -222,6 +225,7 @@ class ResumableExchange(Exchange):
             self.finish(self.close_after)
             return
         self.partial = b""  # never sent: its content is generated again
+        self.cached = NO_REPORT  # the next replica's report counts, for the next replica
         self.flush_client()
         attempt = self.attempt = (cut_url, cause)
         self._count(attempt, "attempted")

@@ -35,6 +35,7 @@ class Req:
         self.body = [body]
         self.req_headers = headers or []
         self.route_key: tuple[int, ...] | None = None
+        self.outcome: list[int] | None = None
 
 
 def chat(system: str, *turns: str, model: str = "m", first: bool = True) -> bytes:
