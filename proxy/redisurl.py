@@ -193,8 +193,11 @@ def client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     if target.tls:
         # Certificates verified (redis-py's default CERT_REQUIRED, hostname checked).
         kwargs = {**kwargs, "ssl": True}
+    # The data nodes' `retry` too: without it each sentinel client retries with redis-py's
+    # default (3 times, backing off up to 10 s), so one dead sentinel, or a certificate
+    # that fails to verify, held every discovery for seconds (35 s for a missing CA).
     sentinel_kwargs: dict[str, Any] = {
-        k: v for k, v in kwargs.items() if k.startswith(("socket_", "ssl"))
+        k: v for k, v in kwargs.items() if k.startswith(("socket_", "ssl")) or k == "retry"
     }
     if target.sentinel_password is not None:
         sentinel_kwargs["password"] = target.sentinel_password
