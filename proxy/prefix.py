@@ -367,15 +367,10 @@ class PrefixPolicy:
             # first choice: its family's next request goes there, within the bound
             # of a known prefix, as on every other proxy, instead of being walked
             # to another cold replica each time.
-            lru = self._lru
             pin = chosen
             if agreed is not None and factor == 1.0 and reason == SPILL:
                 pin = agreed
-            for h in key[1:]:
-                if h not in lru:
-                    lru[h] = pin
-            while len(lru) > self._lru_size:
-                lru.popitem(last=False)
+            self._remember(key, pin)
         self._counts[chosen][reason] += 1
         return chosen
 
@@ -430,14 +425,18 @@ class PrefixPolicy:
                 fam.secondary_used = table.now
                 reason = SPILL
         if len(key) > 1 and self._lru_size:
-            lru = self._lru
-            for h in key[1:]:
-                if h not in lru:
-                    lru[h] = chosen
-            while len(lru) > self._lru_size:
-                lru.popitem(last=False)
+            self._remember(key, chosen)
         self._counts[chosen][reason] += 1
         return chosen
+
+    def _remember(self, key: tuple[int, ...], replica: ReplicaView) -> None:
+        """The LRU learns that the key's blocks 2.. are at `replica` (first writer wins)."""
+        lru = self._lru
+        for h in key[1:]:
+            if h not in lru:
+                lru[h] = replica
+        while len(lru) > self._lru_size:
+            lru.popitem(last=False)
 
     def _capacity(self, factor: float) -> int:
         """A replica holding this many requests or more is skipped (bounded load).
