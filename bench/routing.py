@@ -15,9 +15,19 @@ instances) and `round_robin`, from its own venv (bench/.venv-sglang, made with
 ``uv venv bench/.venv-sglang && uv pip install -p bench/.venv-sglang/bin/python
 sglang-router``; skipped with a note when absent).
 
+More targets (by name only): sluice `prefix` as 1, 2 or 4 proxies following
+the replicas through a real redis-server, so they share their placement
+(`sluice-prefix-redis`, `-redis-x2`, `-redis-x4`); `sluice-prefix-x4` (4
+static proxies); smg `cache_aware` with its defaults and with
+`--disable-worker-overload-protection` (`smg-ca`, `smg-ca-nop`: bench/.venv-smg,
+``pip install smg==1.13.0``) and vllm-router `cache_aware` (`vllm-ca`:
+bench/.venv-vllmr, ``pip install vllm-router==0.1.17``); the peers' paths can be
+set with $SLUICE_BENCH_SGLANG_PYTHON, $SLUICE_BENCH_SMG, $SLUICE_BENCH_VLLM_ROUTER.
+
 Workloads: `shared` (long system prompts, Zipf-skewed popularity, short
 questions), `multiturn` (chat sessions; each turn resends the growing
-history), `nosharing` (unique prompts: nothing to gain, nothing to lose).
+history), `nosharing` (unique prompts: nothing to gain, nothing to lose),
+`mix` (the three at once: half shared, a quarter each of the others).
 Caches are sized so one replica cannot hold every shared prefix but the fleet
 can.
 
@@ -37,6 +47,7 @@ import os
 import random
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -56,12 +67,16 @@ sys.path.insert(0, str(BENCH))
 from proxy_overhead import descendants, free_port, http_status  # noqa: E402
 
 HOST = "127.0.0.1"
-SGLANG_PY = BENCH / ".venv-sglang" / "bin" / "python"
+SGLANG_PY = Path(os.environ.get("SLUICE_BENCH_SGLANG_PYTHON")
+                 or BENCH / ".venv-sglang" / "bin" / "python")
+SMG = Path(os.environ.get("SLUICE_BENCH_SMG") or BENCH / ".venv-smg" / "bin" / "smg")
+VLLM_ROUTER = Path(os.environ.get("SLUICE_BENCH_VLLM_ROUTER")
+                   or BENCH / ".venv-vllmr" / "bin" / "vllm-router")
 SLUICE_PROXY = [sys.executable, "-m", "proxy.cli"]
 SLUICE_ARGS: list[str] = []  # --sluice-args
 ALL_TARGETS = ("sluice-least_load", "sluice-p2c", "sluice-prefix", "sluice-prefix-x2",
                "sglang-ca1", "sglang-ca2", "sglang-rr")
-ALL_WORKLOADS = ("shared", "multiturn", "nosharing")
+ALL_WORKLOADS = ("shared", "multiturn", "nosharing", "mix")
 WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda sigma omega "
          "policy refund order account billing invoice shipping return warranty "
          "customer support agent answer question product service help please "
@@ -202,7 +217,115 @@ def sglang(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
     return start
 
 
+def sluice_redis(policy: str, n: int) -> Callable[[Procs, list[str]],
+                                                 tuple[list[str], list[subprocess.Popen[bytes]]]]:
+    """sluice `policy` as `n` proxies sharing a real redis-server: the replicas are
+    committed READY as service "bench" (what the controller writes), and every proxy
+    follows it with --redis --service; `prefix` with placement auto (the default) then
+    shares its placement through Redis (proxy/sources/placement.py)."""
+    def start(procs: Procs, workers: list[str]) -> tuple[list[str],
+                                                         list[subprocess.Popen[bytes]]]:
+        rport = free_port()
+        redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
+                                      "--save", "", "--appendonly", "no"])  # fmt: skip
+        url = f"redis://{HOST}:{rport}/0"
+        deadline = time.monotonic() + 10
+        while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
+                             check=False).stdout.strip() != b"PONG":  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+        asyncio.run(register_service(url, "bench", policy, workers))
+        started = [redis]
+        urls = []
+        for i in range(n):
+            port = free_port()
+            p = procs.start(f"sluice-{policy}-redis-{i}", [
+                *SLUICE_PROXY, "--redis", url, "--service", "bench",
+                "--policy", policy, "--host", HOST, "--port", str(port), "--admin-port", "-1",
+                "--log-level", "WARNING", "--shutdown-grace", "1", *SLUICE_ARGS])
+            started.append(p)
+            urls.append((p, port))
+        for p, port in urls:  # /health answers 200 once the proxy has the replica set
+            wait_up(p, port, "/health", 30)
+        return [f"http://{HOST}:{port}" for _, port in urls], started
+    return start
+
+
+async def register_service(redis_url: str, service: str, policy: str,
+                           workers: list[str]) -> None:
+    """`workers` as the READY replicas of `service` (one commit, as the controller)."""
+    sys.path.insert(0, str(REPO))
+    from controlplane.records import ReplicaRecord, ServiceRecord
+    from controlplane.states import ReplicaStatus
+    from controlplane.store import Store
+
+    async with Store.from_url(redis_url) as store:
+        await store.register_service(
+            ServiceRecord(name=service, created_at=time.time(), policy=policy), b"{}")
+        await store.commit(service, replica_updates=[
+            ReplicaRecord(id=i + 1, status=ReplicaStatus.READY, version=1, url=u)
+            for i, u in enumerate(workers)])  # fmt: skip
+
+
+def wait_workers(proc: subprocess.Popen[bytes], port: int, workers: list[str],
+                 within: float) -> None:
+    """Peers register their workers after /health answers: wait until /workers lists all."""
+    deadline = time.monotonic() + within
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            with socket.create_connection((HOST, port), timeout=2) as s:
+                s.sendall(f"GET /workers HTTP/1.1\r\nHost: {HOST}\r\n"
+                          "Connection: close\r\n\r\n".encode())
+                body = b""
+                while chunk := s.recv(65536):
+                    body += chunk
+            if body.split(b" ", 2)[1:2] == [b"200"] and all(
+                    w.encode() in body for w in workers):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"/workers on {port} did not list every worker in {within}s")
+        time.sleep(0.1)
+
+
+def gateway(kind: str, extra: tuple[str, ...] = ()) -> Callable[
+        [Procs, list[str]], tuple[list[str], list[subprocess.Popen[bytes]]]]:
+    """smg (`smg launch`) or vllm-router with `cache_aware`, their defaults otherwise."""
+    def start(procs: Procs, workers: list[str]) -> tuple[list[str],
+                                                         list[subprocess.Popen[bytes]]]:
+        port = free_port()
+        exe = [str(SMG), "launch"] if kind == "smg" else [str(VLLM_ROUTER)]
+        p = procs.start(f"{kind}-{port}", [
+            *exe, "--host", HOST, "--port", str(port), "--policy", "cache_aware",
+            "--worker-urls", *workers, "--prometheus-port", str(free_port()),
+            "--prometheus-host", HOST, "--log-level", "warn" if kind == "smg" else "warning",
+            "--disable-retries", "--disable-circuit-breaker", "--request-timeout-secs", "120",
+            *extra],
+            env={"HF_HUB_OFFLINE": "1"})
+        wait_up(p, port, "/health", 60)
+        wait_workers(p, port, workers, 60)
+        return [f"http://{HOST}:{port}"], [p]
+    return start
+
+
 TARGETS = {
+    "sluice-prefix-redis": Target("sluice-prefix-redis", "sluice `prefix`, 1 proxy on Redis",
+                                  sluice_redis("prefix", 1)),
+    "sluice-prefix-redis-x2": Target("sluice-prefix-redis-x2",
+                                     "sluice `prefix`, 2 proxies on Redis",
+                                     sluice_redis("prefix", 2)),
+    "sluice-prefix-redis-x4": Target("sluice-prefix-redis-x4",
+                                     "sluice `prefix`, 4 proxies on Redis",
+                                     sluice_redis("prefix", 4)),
+    "sluice-prefix-x4": Target("sluice-prefix-x4", "sluice `prefix`, 4 independent proxies",
+                               sluice("prefix", 4)),
+    "smg-ca": Target("smg-ca", "smg 1.13.0 `cache_aware` (defaults)", gateway("smg")),
+    "smg-ca-nop": Target("smg-ca-nop",
+                         "smg 1.13.0 `cache_aware`, --disable-worker-overload-protection",
+                         gateway("smg", ("--disable-worker-overload-protection",))),
+    "vllm-ca": Target("vllm-ca", "vllm-router 0.1.17 `cache_aware`", gateway("vllm")),
     "sluice-least_load": Target("sluice-least_load", "sluice `least_load`",
                                 sluice("least_load", 1)),
     "sluice-p2c": Target("sluice-p2c", "sluice `p2c`", sluice("p2c", 1)),
@@ -423,10 +546,22 @@ async def run_multiturn(client: Client, args: argparse.Namespace) -> None:
     await asyncio.gather(*(session(*plan) for plan in plans))
 
 
+async def run_mix(client: Client, args: argparse.Namespace) -> None:
+    """The three workloads at once: --rate-mix split 50 % shared prompts, 25 % multi-turn
+    chat, 25 % unique prompts (each with its own generator and seed, as run alone)."""
+    parts = argparse.Namespace(**vars(args))
+    parts.rate_shared = args.rate_mix * 0.5
+    parts.rate_multiturn = args.rate_mix * 0.25
+    parts.rate_nosharing = args.rate_mix * 0.25
+    await asyncio.gather(run_shared(client, parts), run_multiturn(client, parts),
+                         run_nosharing(client, parts))
+
+
 TIME_SCALE = [1.0]  # --time-scale: wall seconds per modelled second
 
 
-RUNNERS = {"shared": run_shared, "multiturn": run_multiturn, "nosharing": run_nosharing}
+RUNNERS = {"shared": run_shared, "multiturn": run_multiturn, "nosharing": run_nosharing,
+           "mix": run_mix}
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -498,6 +633,8 @@ def main() -> int:
     ap.add_argument("--rate-shared", type=float, default=24.0)
     ap.add_argument("--rate-multiturn", type=float, default=16.0)
     ap.add_argument("--rate-nosharing", type=float, default=16.0)
+    ap.add_argument("--rate-mix", type=float, default=20.0,
+                    help="mix: half shared prompts, a quarter multi-turn, a quarter unique")
     ap.add_argument("--replicas", type=int, default=4)
     ap.add_argument("--cache-tokens", type=int, default=16384, help="prefix cache per replica")
     ap.add_argument("--prompts", type=int, default=24, help="shared system prompts")
@@ -523,6 +660,7 @@ def main() -> int:
     SLUICE_ARGS.extend(shlex.split(args.sluice_args))
     if args.rate is not None:
         args.rate_shared = args.rate_multiturn = args.rate_nosharing = args.rate
+        args.rate_mix = args.rate
     k = args.time_scale
     TIME_SCALE[0] = k
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -537,6 +675,10 @@ def main() -> int:
     if any(t.startswith("sglang") for t in targets) and not SGLANG_PY.exists():
         notes.append(f"sglang-router skipped: {SGLANG_PY} not found (see the docstring)")
         targets = [t for t in targets if not t.startswith("sglang")]
+    for prefix, exe in (("smg", SMG), ("vllm", VLLM_ROUTER)):
+        if any(t.startswith(prefix) for t in targets) and not exe.exists():
+            notes.append(f"{prefix} skipped: {exe} not found (see bench/README.md)")
+            targets = [t for t in targets if not t.startswith(prefix)]
 
     log_dir = Path(tempfile.mkdtemp(prefix="sluice-routing-"))
     procs = Procs(log_dir)
