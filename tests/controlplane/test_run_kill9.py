@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,36 +176,56 @@ def test_kill_9_leaves_no_replica_and_no_redis_running(
                     os.kill(pid, signal.SIGKILL)
 
 
+def exit_config(server: EmbeddedRedis, tmp_path: Path) -> ControllerConfig:
+    """A controller as `sluice run` starts it: it terminates its replicas on exit."""
+    return ControllerConfig(
+        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
+        term_timeout=3.0, terminate_on_exit=True,
+    )  # fmt: skip
+
+
+async def run_then_close(
+    controller: Controller,
+    work: Callable[[], Awaitable[list[int]]],
+    before_close: Callable[[], None] = lambda: None,
+) -> None:
+    """Start `controller`, run `work()` (it returns the replicas' pids) beside its run(),
+    cancel the run, call `before_close`, then close the controller: none of the pids may
+    outlive that (they are SIGKILLed at the end either way)."""
+    await controller.start()
+    runner = asyncio.create_task(controller.run())
+    pids: list[int] = []
+    try:
+        pids = await work()
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+    try:
+        before_close()
+        await controller.aclose()
+        assert not [pid for pid in pids if running(pid)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
 async def test_terminate_on_exit_stops_the_replicas_when_redis_is_gone(
     redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path
 ) -> None:
     # What a controller under `sluice run` does when `sluice run` dies: its private
     # Redis gets SIGTERM at the same moment, so the controller may close without it.
     server = redis_factory()
-    config = ControllerConfig(
-        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
-        term_timeout=3.0, terminate_on_exit=True,
-    )  # fmt: skip
     async with Store.from_url(server.url) as store:
-        controller = Controller(store, config)
-        await controller.start()
-        runner = asyncio.create_task(controller.run())
-        try:
+
+        async def serve_two() -> list[int]:
             await ops.up(store, "svc", make_spec(2))
             await ready_view(store, "svc", 2)
-            pids = [pid_of(r) for r in (await store.replicas("svc")).values()]
-        finally:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
-        server.kill()
-        try:
-            await controller.aclose()
-            assert not [pid for pid in pids if running(pid)]
-        finally:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+            return [pid_of(r) for r in (await store.replicas("svc")).values()]
+
+        controller = Controller(store, exit_config(server, tmp_path))
+        await run_then_close(controller, serve_two, before_close=server.kill)
 
 
 async def test_a_replica_committed_just_before_redis_dies_is_still_terminated(
@@ -216,12 +236,8 @@ async def test_a_replica_committed_just_before_redis_dies_is_still_terminated(
     # committed replicas are no launch in flight any more; the controller must still
     # know them, or the terminate-on-exit below (Redis gone) leaves them running.
     server = redis_factory()
-    config = ControllerConfig(
-        redis_url=server.url, state_dir=tmp_path / "state", reconcile_interval=30.0,
-        term_timeout=3.0, terminate_on_exit=True,
-    )  # fmt: skip
     async with Store.from_url(server.url) as store:
-        controller = Controller(store, config)
+        controller = Controller(store, exit_config(server, tmp_path))
         after_commit = controller._after_commit
         crashed = asyncio.Event()
 
@@ -232,25 +248,15 @@ async def test_a_replica_committed_just_before_redis_dies_is_still_terminated(
                 crashed.set()
                 raise StoreUnavailable("Redis died (the test killed it)")
 
-        controller._after_commit = redis_dies_after_the_commit  # type: ignore[method-assign]
-        await controller.start()
-        runner = asyncio.create_task(controller.run())
-        try:
+        async def until_redis_died() -> list[int]:
             await ops.up(store, "svc", make_spec(2))
             await asyncio.wait_for(crashed.wait(), 30)
             pids = [pid for pid in _handle_pids(tmp_path / "state") if running(pid)]
             assert pids, "no replica process was started"
-        finally:
-            runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await runner
-        try:
-            await controller.aclose()
-            assert not [pid for pid in pids if running(pid)]
-        finally:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+            return pids
+
+        controller._after_commit = redis_dies_after_the_commit  # type: ignore[method-assign]
+        await run_then_close(controller, until_redis_died)
 
 
 def _handle_pids(state: Path) -> list[int]:
