@@ -420,8 +420,9 @@ class Client:
         if self.session is not None:
             await self.session.close()
 
-    async def send(self, body: bytes, t0: float, record: bool) -> str:
-        """POST a streaming chat request; returns the assistant's text."""
+    async def send(self, body: bytes, t0: float, record: bool, session: str = "") -> str:
+        """POST a streaming chat request (with `X-Session-Id: session` if given); returns
+        the assistant's text."""
         assert self.session is not None
         url = self.rng.choice(self.endpoints) + "/v1/chat/completions"
         start = time.monotonic()
@@ -431,8 +432,10 @@ class Client:
         replica = "?"
         error = ""
         try:
-            async with self.session.post(url, data=body,
-                                         headers={"Content-Type": "application/json"}) as resp:
+            headers = {"Content-Type": "application/json"}
+            if session:
+                headers["X-Session-Id"] = session
+            async with self.session.post(url, data=body, headers=headers) as resp:
                 replica = resp.headers.get("X-Replica-Id", "?")
                 if resp.status != 200:
                     error = f"HTTP {resp.status}"
@@ -529,7 +532,8 @@ async def run_multiturn(client: Client, args: argparse.Namespace) -> None:
     t0 = time.monotonic()
 
     async def session(at: float, system: str, questions: list[str], thinks: list[float],
-                      out: list[int]) -> None:
+                      out: list[int], number: int) -> None:
+        key = f"session-{args.seed}-{number}" if args.session_ids else ""
         k = TIME_SCALE[0]
         await asyncio.sleep(max(0.0, t0 + at * k - time.monotonic()))
         messages = [{"role": "system", "content": system}]
@@ -539,11 +543,11 @@ async def run_multiturn(client: Client, args: argparse.Namespace) -> None:
             messages.append({"role": "user", "content": question})
             sent = (time.monotonic() - t0) / k
             answer = await client.send(chat_body(messages, max_tokens), t0,
-                                       record=sent >= args.warmup)
+                                       record=sent >= args.warmup, session=key)
             messages.append({"role": "assistant", "content": answer})
             await asyncio.sleep(think * k)
 
-    await asyncio.gather(*(session(*plan) for plan in plans))
+    await asyncio.gather(*(session(*plan, i) for i, plan in enumerate(plans)))
 
 
 async def run_mix(client: Client, args: argparse.Namespace) -> None:
@@ -642,6 +646,9 @@ def main() -> int:
                     help="tokens per shared system prompt (multiturn: half)")
     ap.add_argument("--zipf", type=float, default=1.1, help="popularity skew of the prompts")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--session-ids", action="store_true",
+                    help="multiturn: each conversation sends X-Session-Id (its own value), "
+                         "the key sluice's prefix policy routes a session by")
     ap.add_argument("--base-port", type=int, default=0,
                     help="replica i listens on BASE+i (0: free ports); the rendezvous "
                          "placement of prompts depends on the replicas' URLs, so a fixed "
