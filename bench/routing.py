@@ -161,6 +161,21 @@ def sluice(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
     return start
 
 
+def start_redis(procs: Procs) -> tuple[subprocess.Popen[bytes], str]:
+    """A throwaway redis-server on a free port (no persistence), once it answers PING;
+    returns the process and its URL."""
+    rport = free_port()
+    redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
+                                  "--save", "", "--appendonly", "no"])  # fmt: skip
+    deadline = time.monotonic() + 10
+    while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
+                         check=False).stdout.strip() != b"PONG":  # fmt: skip
+        if time.monotonic() > deadline:
+            raise RuntimeError("redis-server did not start")
+        time.sleep(0.05)
+    return redis, f"redis://{HOST}:{rport}/0"
+
+
 def sluice_engine(policy: str, n: int) -> Callable[[Procs, list[str]],
                                                   tuple[list[str], list[subprocess.Popen[bytes]]]]:
     """sluice `policy` with --engine-load: a redis-server, bench/engine_feed.py (the
@@ -168,16 +183,7 @@ def sluice_engine(policy: str, n: int) -> Callable[[Procs, list[str]],
     proxies following the service through Redis."""
     def start(procs: Procs, workers: list[str]) -> tuple[list[str],
                                                          list[subprocess.Popen[bytes]]]:
-        rport = free_port()
-        redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
-                                      "--save", "", "--appendonly", "no"])  # fmt: skip
-        url = f"redis://{HOST}:{rport}/0"
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
-                             check=False).stdout.strip() != b"PONG":  # fmt: skip
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+        redis, url = start_redis(procs)
         feed = procs.start("engine-feed", [sys.executable, str(BENCH / "engine_feed.py"),
                                            "--redis", url, "--service", "bench", "--policy",
                                            policy, "--interval", "0.5", *workers])
@@ -225,16 +231,7 @@ def sluice_redis(policy: str, n: int) -> Callable[[Procs, list[str]],
     shares its placement through Redis (proxy/sources/placement.py)."""
     def start(procs: Procs, workers: list[str]) -> tuple[list[str],
                                                          list[subprocess.Popen[bytes]]]:
-        rport = free_port()
-        redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
-                                      "--save", "", "--appendonly", "no"])  # fmt: skip
-        url = f"redis://{HOST}:{rport}/0"
-        deadline = time.monotonic() + 10
-        while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
-                             check=False).stdout.strip() != b"PONG":  # fmt: skip
-            if time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+        redis, url = start_redis(procs)
         asyncio.run(register_service(url, "bench", policy, workers))
         started = [redis]
         urls = []
