@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as `python bench/waiters.py` without installing
     sys.path.insert(0, str(REPO))
 
-from proxy.pool import ReplicaPool  # noqa: E402
+from proxy.pool import Clock, ReplicaPool  # noqa: E402
 from proxy.readyset import ReadySet  # noqa: E402
 from proxy.replica import Replica  # noqa: E402
 from proxy.wire.snapshot import ReadyReplica  # noqa: E402
@@ -71,7 +71,7 @@ def _queues_row(n: int) -> str:
 
     old_rs = _time_removals(lambda h: old_list.append(h.wake), list_remove, n)
     pool = ReplicaPool(Replica(ReadyReplica(id=1, url="http://127.0.0.1:9")), limit=0,
-                       connect_timeout=1.0)
+                       connect_timeout=1.0, clock=Clock(0.0), idle_timeout=4.0)
 
     def pool_add(h: Held) -> None:
         h.waiting_on = pool

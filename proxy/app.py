@@ -26,13 +26,14 @@ import contextlib
 import logging
 import os
 import ssl
+import time
 
 from proxy import limits
 from proxy.accesslog import AccessLog
 from proxy.admin import AdminServer
 from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
-from proxy.pool import ReplicaPool
+from proxy.pool import Clock, ReplicaPool
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.server import ClientConnection, ServerContext
@@ -66,6 +67,7 @@ class ProxyApp:
         self.admin: AdminServer | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._upstream_ssl = ssl.create_default_context()
+        self.clock = Clock(time.monotonic())  # the pools' coarse clock (loop time from start)
         self.port = config.port
 
     def _make_pool(self, replica: Replica) -> ReplicaPool:
@@ -73,6 +75,8 @@ class ProxyApp:
             replica,
             limit=self.config.pool_size,
             connect_timeout=self.config.connect_timeout,
+            clock=self.clock,
+            idle_timeout=self.config.upstream_idle_timeout,
             ssl_context=self._upstream_ssl,
         )
 
@@ -98,6 +102,7 @@ class ProxyApp:
         ctx = ServerContext(cfg, self.ready_set, self.stats,
                             b"https" if server_ssl else b"http")
         self.ctx = ctx
+        self.clock.now = ctx.now
         ctx.max_connections = limits.connection_cap(cfg.max_connections)
         if ctx.max_connections < cfg.max_connections:
             log.warning("--max-connections %d lowered to %d: the file-descriptor limit holds "
@@ -161,6 +166,7 @@ class ProxyApp:
         assert ctx is not None
         while True:
             await asyncio.sleep(TICK_SECONDS)
+            self.clock.now = ctx.loop.time()
             try:
                 ctx.tick()
             except Exception:

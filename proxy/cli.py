@@ -179,6 +179,12 @@ class _ProxyCommand(click.Command):
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
               show_default=True,
               help="Seconds a departed replica's pool stays open (comes back warm).")
+@click.option("--upstream-idle-timeout", type=click.FloatRange(0, min_open=True),
+              default=DEFAULTS.upstream_idle_timeout, show_default=True,
+              help="Reuse a pooled connection to a replica only if it has been idle less "
+                   "than this many seconds. Keep it under the replicas' own keep-alive "
+                   "timeout (uvicorn under vLLM and SGLang, and llama-server: 5 s), so "
+                   "that no request is written as the replica closes the connection.")
 @click.option("--retry-deadline", type=click.FloatRange(0, min_open=True),
               default=DEFAULTS.retry_deadline,
               show_default=True, help="Total budget per request until response headers: "
@@ -252,7 +258,7 @@ def proxy_command(
     prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, prefix_placement: str | None,
     prefix_replica_families: int | None, engine_load: bool, pool_size: int, pool_grace: float,
-    retry_deadline: float,
+    upstream_idle_timeout: float, retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
     stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
     header_timeout: float, max_body: int, shutdown_grace: float,
@@ -286,7 +292,8 @@ def proxy_command(
         sync_interval=sync_interval, sync_timeout=sync_timeout, quick_resync=quick_resync,
         sync_relay=sync_relay, policy=policy, target_qps=_target_qps(target_qps),
         prefix_options=_prefix_options(prefix_flags), engine_load=engine_load,
-        pool_size=pool_size, pool_grace=pool_grace, retry_deadline=retry_deadline,
+        pool_size=pool_size, pool_grace=pool_grace,
+        upstream_idle_timeout=upstream_idle_timeout, retry_deadline=retry_deadline,
         max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,
         hold_heartbeat=hold_heartbeat, stream_idle_timeout=stream_idle_timeout,
         resume_streams=resume_streams, resume_attempts=resume_attempts,

@@ -35,6 +35,9 @@ class ProxyConfig:
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0
+    # Reuse an idle pooled connection only while idle less than this: under the 5 s after
+    # which uvicorn (vLLM, SGLang) and llama-server close idle keep-alive connections.
+    upstream_idle_timeout: float = 4.0
     retry_deadline: float = 60.0
     max_attempts: int = 3
     connect_timeout: float = 5.0

@@ -126,6 +126,7 @@ class Exchange:
         "pool",
         "progress",
         "progress_at",
+        "refused",
         "replica",
         "req_headers",
         "resp_bytes",
@@ -184,6 +185,7 @@ class Exchange:
         self.upstream: UpstreamLink | None = None
         self.attempts = 0
         self.tried: set[ReplicaView] | None = None
+        self.refused: set[ReplicaView] | None = None  # tried, and no connection was made
         self.stale_retry_used = False
         self.last_error = "none"
         self.failed_on: str | None = None  # the replica of the last failed attempt
@@ -222,7 +224,13 @@ class Exchange:
         replica = ready_set.choose(self.tried, self)
         if replica is None:
             if ready_set.replicas:
-                replica = ready_set.choose(None, self)  # every replica tried: reuse one
+                # Every replica tried: reuse one, one that took a connection if any did (a
+                # replica that refused is likely dead, and the least loaded for being so).
+                refused = self.refused
+                if refused is not None:
+                    replica = ready_set.choose(refused, self)
+                if replica is None:
+                    replica = ready_set.choose(None, self)
             if replica is None:
                 cfg = self.ctx.config
                 stats = self.ctx.stats
@@ -306,6 +314,12 @@ class Exchange:
 
     def on_connect_failed(self, error: Exception) -> None:
         self.last_error = str(error) or type(error).__name__
+        replica = self.replica
+        if replica is not None:
+            if self.refused is None:
+                self.refused = {replica}
+            else:
+                self.refused.add(replica)
         self.release_replica()
         self.retry_or_fail(free=False)
 

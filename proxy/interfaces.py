@@ -76,6 +76,7 @@ class UpstreamLink(Protocol):
     in_response: bool  # response headers seen, body not finished
     body_framed: bool  # False: the body ends when the connection closes
     served: int  # responses completed on this connection (0: fresh)
+    idle_since: float  # when its pool last took it back (the pool's coarse clock)
     paused: bool  # reading paused because the client reads slowly
     reset: bool  # the connection was lost with an error (not a clean EOF)
 

@@ -6,6 +6,14 @@ the pool grace with nothing in flight. A pool holds idle connections (LIFO, so
 the warmest is reused), opens new ones up to its limit, and queues exchanges
 beyond that. Taking an idle connection is a list pop: no Task, no Future.
 Opening a connection is the rare path and runs as a task owned by the pool.
+
+An idle connection is reused only while it has been idle less than
+`idle_timeout` (`--upstream-idle-timeout`, 4 s by default), read on the
+sweeper's coarse clock. Model servers close idle keep-alive connections
+themselves (uvicorn under vLLM and SGLang, and llama-server, after 5 s): a
+request written just as the server closes its connection is lost before any
+response byte. Retiring connections first keeps that race off the request
+path instead of leaving it to the stale-connection retry.
 """
 
 from __future__ import annotations
@@ -23,6 +31,15 @@ if TYPE_CHECKING:
     from proxy.replica import Replica
 
 
+class Clock:
+    """The coarse clock the pools read (`now`, in loop time), advanced by the sweeper."""
+
+    __slots__ = ("now",)
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+
 class ReplicaPool:
     """The connections to one replica (an interfaces.ConnectionPool); waiters are the
     Exchanges (interfaces.ConnectionWaiter) that asked for one beyond the limit."""
@@ -33,11 +50,15 @@ class ReplicaPool:
         *,
         limit: int,
         connect_timeout: float,
+        clock: Clock,
+        idle_timeout: float,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.replica = replica
         self.limit = limit
         self.connect_timeout = connect_timeout
+        self.clock = clock
+        self.idle_timeout = idle_timeout
         self.ssl_context = ssl_context
         self.idle: list[UpstreamLink] = []
         self.total = 0  # open plus opening connections
@@ -55,8 +76,15 @@ class ReplicaPool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.closed:
+                continue
+            if self.clock.now - conn.idle_since < self.idle_timeout:
                 return conn
+            # Idle too long, and so is every connection under it (LIFO): retire them all.
+            conn.close()  # connection_lost -> discard() does the accounting
+            for old in idle:
+                old.close()
+            idle.clear()
         if self.total < self.limit:
             self._open(ex)
         else:
@@ -81,6 +109,7 @@ class ReplicaPool:
             if ex.wants_connection(self):
                 ex.on_connection(conn)
                 return
+        conn.idle_since = self.clock.now
         self.idle.append(conn)
 
     def discard(self, conn: UpstreamLink) -> None:

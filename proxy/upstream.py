@@ -55,6 +55,7 @@ class UpstreamConnection(asyncio.Protocol):
         "extra",
         "header_bytes",
         "headers",
+        "idle_since",
         "in_response",
         "keep_alive",
         "parser",
@@ -80,6 +81,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.keep_alive = False
         self.closed = False
         self.served = 0  # responses completed on this connection (0: fresh)
+        self.idle_since = 0.0  # when the pool last took it back (its coarse clock)
         self.in_response = False  # headers seen, body not finished
         self.body_framed = True  # False: the body ends when the connection closes
         self.reset_parser = False

@@ -28,8 +28,10 @@ import pytest
 from tests.support import rawhttp
 from tests.support.harness import (
     BASE_ARGS,
+    HOLD,
     ManualSource,
     ScriptedUpstream,
+    SeenRequest,
     get_json,
     inprocess_proxy,
     metric,
@@ -136,6 +138,63 @@ async def test_reset_before_headers_is_retried_on_a_different_replica(
     seen = [(await replica_stats(r))["by_path"].get("/reset", 0) for r in reps]
     assert all(n >= 1 for n in seen), seen  # the retry went to the other replica
     assert sum(seen) <= 3 + 1  # max attempts, plus at most one free stale-connection retry
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_a_pooled_connection_idle_past_the_upstream_idle_timeout_is_not_reused(
+    proxy_factory: ProxyFactory,
+) -> None:
+    # The replica closes a connection idle 0.5 s as a request arrives on it (a keep-alive
+    # timeout firing in the same instant: uvicorn and llama-server use 5 s). Before the
+    # timeout, the proxy wrote the request into that close: a loss before any response
+    # byte, saved only by the one free stale-connection retry.
+    async with ScriptedUpstream({"/a": OK}, idle_race=0.5) as upstream:
+        proxy = await proxy_factory.astart(*BASE_ARGS, "--upstream-idle-timeout", "0.3",
+                                           replicas=[upstream.url])
+        async with rawhttp.connect(proxy.port) as conn:
+            for _ in range(3):  # back to back: one pooled connection, reused
+                assert (await conn.request(get("/a"))).status == 200
+            assert upstream.connections == 1
+            await asyncio.sleep(0.8)  # the pooled connection idles past both timeouts
+            assert (await conn.request(get("/a"))).status == 200
+        assert upstream.raced == 0  # no request was written into the replica's close
+        assert upstream.connections == 2  # the idle one was retired, a new one opened
+        samples = await scrape(proxy.admin_url)
+        assert metric(samples, "sluice_upstream_retries_total") == 0
+
+
+async def test_with_every_replica_tried_the_last_attempt_avoids_the_one_that_refused(
+    proxy_factory: ProxyFactory,
+) -> None:
+    # One replica is dead (connection refused); the live one is busy (a stream in flight)
+    # and loses each request's first attempt (a stale keep-alive connection, a reset).
+    # With both tried, the third attempt used to go to the least loaded replica: the dead
+    # one, idle for being dead. A 502 for a request the live replica then served.
+    seen: set[str] = set()
+
+    def first_attempt_lost(req: SeenRequest) -> bytes:
+        if req.url in seen:
+            return OK
+        seen.add(req.url)
+        return b""  # closed unanswered
+
+    async with ScriptedUpstream({"/r": first_attempt_lost, "/busy": HOLD}) as live:
+        proxy = await proxy_factory.astart(*BASE_ARGS, "--max-attempts", "3",
+                                           "--policy", "least_load",
+                                           replicas=[dead_url(), live.url])
+        async with rawhttp.connect(proxy.port) as busy:
+            busy.send(get("/busy"))
+            held = await asyncio.wait_for(live.held.get(), 10)  # in flight on the live one
+            statuses: Counter[int] = Counter()
+            for i in range(6):
+                async with rawhttp.connect(proxy.port) as conn:
+                    statuses[(await conn.request(get(f"/r?i={i}"))).status] += 1
+            held.answer(OK)
+            assert (await busy.response()).status == 200
+        assert statuses == {200: 6}, statuses
+        assert sum(r.url.startswith("/r") for r in live.requests) == 12  # lost, then served
 
 
 async def test_stale_pooled_connection_gets_one_free_retry(proxy_factory: ProxyFactory) -> None:

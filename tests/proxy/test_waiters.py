@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from proxy.pool import ReplicaPool
+from proxy.pool import Clock, ReplicaPool
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.upstream import UpstreamConnection
@@ -88,7 +88,8 @@ def test_ready_set_wakes_held_requests_in_arrival_order_minus_the_removed() -> N
 
 def _full_pool() -> ReplicaPool:
     replica = Replica(ReadyReplica(id=1, url="http://127.0.0.1:9"))
-    pool = ReplicaPool(replica, limit=0, connect_timeout=1.0)  # every acquire waits
+    pool = ReplicaPool(replica, limit=0, connect_timeout=1.0, clock=Clock(0.0),
+                       idle_timeout=4.0)  # every acquire waits
     return pool
 
 

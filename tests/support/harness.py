@@ -142,6 +142,7 @@ class _ScriptedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.current = SeenRequest()
         self.keep_alive = True
+        self.answered_at: float | None = None  # loop time of its last reply
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -176,8 +177,15 @@ class _ScriptedConnection(asyncio.Protocol):
         req.method = self.parser.get_method().decode()
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it after the feed
         self.server.requests.append(req)
-        reply = self.server.reply(req)
         assert self.transport is not None
+        race = self.server.idle_race
+        if (race is not None and self.answered_at is not None
+                and asyncio.get_running_loop().time() - self.answered_at >= race):
+            # This server's keep-alive timer fired as the request arrived: closed unanswered.
+            self.server.raced += 1
+            self.transport.close()
+            return
+        reply = self.server.reply(req)
         if reply is HOLD:
             self.server.held.put_nowait(self)
             return
@@ -189,6 +197,7 @@ class _ScriptedConnection(asyncio.Protocol):
     def answer(self, reply: bytes) -> None:
         assert self.transport is not None
         self.transport.write(reply)
+        self.answered_at = asyncio.get_running_loop().time()
         head = reply.split(b"\r\n\r\n", 1)[0].lower()
         if b"connection: close" in head or not self.keep_alive:
             self.transport.close()
@@ -196,10 +205,17 @@ class _ScriptedConnection(asyncio.Protocol):
 
 class ScriptedUpstream:
     """An HTTP/1.1 server in the test's loop; `routes` maps a path to the exact reply bytes
-    (or to a function of the request returning them; b"" closes the connection unanswered)."""
+    (or to a function of the request returning them; b"" closes the connection unanswered).
 
-    def __init__(self, routes: dict[str, bytes | Reply]) -> None:
+    `idle_race`: a request that arrives on a connection idle at least this many seconds
+    since its last reply is closed unanswered and counted in `raced`: what a server whose
+    keep-alive timeout (uvicorn's and llama-server's 5 s) fires as the request arrives
+    does to it."""
+
+    def __init__(self, routes: dict[str, bytes | Reply], idle_race: float | None = None) -> None:
         self.routes = routes
+        self.idle_race = idle_race
+        self.raced = 0
         self.requests: list[SeenRequest] = []
         self.raw = b""
         self.connections = 0
