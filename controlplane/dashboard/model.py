@@ -33,6 +33,8 @@ TTFT_FIELDS = ("ttft_p50", "ttft_p50_s", "ttft")
 #: Longest string of an engine value shown (the rest is cut): the values are untrusted.
 MAX_ENGINE_TEXT = 80
 MAX_ENGINE_FIELDS = 24
+#: Fields every scraped replica has, engine or not: alone, they say it is not an engine.
+ENGINE_BOOKKEEPING = frozenset({"url", "at", "engine", "error"})
 
 Scalar = str | int | float | bool | None
 JSON = dict[str, Any]
@@ -71,6 +73,14 @@ def engine_scalars(value: object) -> dict[str, Scalar]:
         if isinstance(item, str | int | float | bool):
             out[str(key)[:MAX_ENGINE_TEXT]] = item
     return out
+
+
+def is_engine(entry: Mapping[str, Scalar]) -> bool:
+    """Whether a scraped entry describes a model server: a plain HTTP app is scraped too
+    and reports only the scrape's own fields (`engine: unknown`, its URL and time)."""
+    if entry.get("engine", "unknown") != "unknown":
+        return True
+    return any(key not in ENGINE_BOOKKEEPING for key in entry)
 
 
 def requests_per_second(rps: Mapping[int, int], now: float) -> int:
@@ -176,7 +186,7 @@ def service_doc(reading: Reading, now: float) -> JSON:
         launched = replica.get("launched_at")
         replica["age"] = max(0.0, now - launched) if launched else None
         engine = reading.engines.get(rid)
-        if engine:
+        if engine and is_engine(engine):
             replica["engine"] = engine
     doc["now"] = now
     doc["rps"] = requests_per_second(reading.rps, now)

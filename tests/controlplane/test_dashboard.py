@@ -325,6 +325,12 @@ async def test_engine_view_struct_with_unknown_fields_absent(
     assert "engine" not in replicas[0]
     assert replicas[1]["engine"] == {"url": "http://127.0.0.1:20002", "engine": "llamacpp",
                                      "running": 1.0, "waiting": 0.0}  # None fields absent
+    # A plain HTTP app (an echo server) is scraped too: no engine named, nothing measured.
+    views.view = View(service="svc", replicas={
+        "1": Stats(url="http://127.0.0.1:20001"), "2": Stats(url="http://127.0.0.1:20002")})
+    await poller.step()
+    replicas = msgspec.json.decode(poller.service_body("svc") or b"")["replicas"]
+    assert all("engine" not in r for r in replicas)  # so the page has no Engine column
 
 
 def test_engine_scalars_bounds_what_it_keeps() -> None:

@@ -325,7 +325,8 @@ function engineCell(e) {
     const v = k === "kv_usage" && typeof e[k] === "number" ? Math.round(e[k] * 100) + "%" : num(e[k]);
     parts.push(label + " " + v);
   }
-  const rest = Object.entries(e).filter(([k]) => k !== "engine" && !known.some(([n]) => n === k))
+  const skip = ["engine", "url", "at"];  // the URL has its column; `at` is a timestamp
+  const rest = Object.entries(e).filter(([k]) => !skip.includes(k) && !known.some(([n]) => n === k))
     .map(([k, v]) => k + "=" + v).join(" ");
   return h("span", { class: "engine", title: rest }, parts.join(" · ") || rest);
 }
