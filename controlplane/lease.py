@@ -30,9 +30,13 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from controlplane.errors import LeaseLost, StoreError, redis_errors
+from proxy.stopping import RECANCEL
 
 # The lease's lines are the controller's: operators filter on one logger name.
 log = logging.getLogger("sluice.controller")
+
+#: Seconds after which a run loop that has not ended since it was cancelled is logged.
+STOP_SLOW = 5.0
 
 # KEYS[1]: the lease key. ARGV[1]: the holder id, ARGV[2]: the TTL in milliseconds.
 # Take the lease if it is free, extend it if ARGV[1] holds it; 1 if ARGV[1] holds it now.
@@ -183,14 +187,27 @@ async def lead(lease: Lease, run: Callable[[], Coroutine[Any, Any, None]]) -> No
     try:
         await _renew_while_running(lease, runner)
     finally:
-        runner.cancel()
-        # asyncio.wait (not `await runner` under suppress): a cancellation of *this*
-        # task must propagate, or SIGTERM would turn into "lost the lease" and the
-        # controller would lead again.
-        await asyncio.wait({runner})
+        await _stop(lease, runner)
         failure = None if runner.cancelled() else runner.exception()
         if failure is not None and not isinstance(failure, LeaseLost):
             log.error("controller %s: run() failed", lease.holder, exc_info=runner.exception())
+
+
+async def _stop(lease: Lease, runner: asyncio.Task[None]) -> None:
+    """Cancel `runner` until it has ended: a library may swallow one cancel (redis-py
+    does now and then), and the run loop would then go on while this leader stands by.
+    No bound: the next lead must not begin beside it. asyncio.wait, not `await runner`:
+    a cancellation of *this* task propagates (or SIGTERM would turn into "lost the
+    lease" and the controller would lead again)."""
+    loop = asyncio.get_running_loop()
+    said_at: float | None = loop.time() + STOP_SLOW
+    while not runner.done():
+        runner.cancel()
+        await asyncio.wait({runner}, timeout=RECANCEL)
+        if said_at is not None and loop.time() >= said_at and not runner.done():
+            log.warning("controller %s: its run loop is still running %.0fs after it was "
+                        "cancelled; cancelling again until it ends", lease.holder, STOP_SLOW)
+            said_at = None
 
 
 async def _renew_while_running(lease: Lease, runner: asyncio.Task[None]) -> None:

@@ -1,4 +1,5 @@
-"""Stopping background tasks for sure, within a bound.
+"""Stopping background tasks for sure, within a bound (the proxy's, and the controller's
+run loop and its helpers).
 
 Cancelling a task once does not always stop it. A library may turn the
 CancelledError into a normal return or an ordinary exception: redis-py (8.1,
@@ -22,10 +23,20 @@ log = logging.getLogger("sluice.proxy")
 RECANCEL = 0.05  # seconds between repeated cancels of a task that is still running
 
 
-async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], within: float) -> int:
+def cancel_requested() -> bool:
+    """Whether the running task was asked to stop and has not acted on it: a loop that
+    checks this after each await it does not own ends even when a library swallowed the
+    CancelledError (Python 3.11+; always False before)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling is not None and cancelling())
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], within: float,
+                     logger: logging.Logger = log) -> int:
     """Cancel `tasks` (again every RECANCEL s) until all have ended or `within` seconds
-    passed; returns how many are still running (abandoned, and logged). A task that ended
-    with an exception other than CancelledError is logged too."""
+    passed; returns how many are still running (abandoned, and logged to `logger`). A task
+    that ended with an exception other than CancelledError is logged too."""
     owned = [t for t in tasks if t is not None]
     pending = {t for t in owned if not t.done()}
     loop = asyncio.get_running_loop()
@@ -39,9 +50,10 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None], within: float) -
         _, pending = await asyncio.wait(pending, timeout=min(RECANCEL, remaining))
     for task in owned:
         if task.done() and not task.cancelled() and task.exception() is not None:
-            log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+            logger.error("background task %s failed", task.get_name(),
+                         exc_info=task.exception())
     for task in pending:
-        log.error("background task %s still running %.1fs after it was cancelled; abandoned",
+        logger.error("background task %s still running %.1fs after it was cancelled; abandoned",
                   task.get_name(), within)
     return len(pending)
 

@@ -133,7 +133,7 @@ def _long_functions(path: Path, limit: int) -> Iterator[tuple[str, int, bool]]:
 
 
 #: What controlplane may import from proxy (module names or package prefixes).
-CONTROLPLANE_MAY_IMPORT = ("proxy.wire", "proxy.redisurl", "proxy.cli")
+CONTROLPLANE_MAY_IMPORT = ("proxy.wire", "proxy.redisurl", "proxy.cli", "proxy.stopping")
 
 
 _CP = "controlplane."
@@ -166,9 +166,11 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "controlplane.reconcile": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                                _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                                _CP + "prober", _CP + "lease", _CP + "processes",
-                               _CP + "backends", _CP + "engines", "proxy.wire"),
+                               _CP + "backends", _CP + "engines", "proxy.wire",
+                               "proxy.stopping"),
     # scraping the engines' metrics and publishing the view (the store's engines key)
-    "controlplane.engines": (_CP + "store", _CP + "records", _CP + "states", "proxy.wire"),
+    "controlplane.engines": (_CP + "store", _CP + "records", _CP + "states", "proxy.wire",
+                             "proxy.stopping"),
     "controlplane.dashboard": (_CP + "ops", _CP + "store", _CP + "records", _CP + "states",
                                "proxy.wire"),
     # `sluice run`: everything but the CLI

@@ -32,6 +32,7 @@ import aiohttp
 
 from controlplane.engines.parse import Sample, parse_metrics, summarize
 from controlplane.store import Store
+from proxy.stopping import cancel_requested
 from proxy.wire.engines import EngineStats, EngineView
 
 log = logging.getLogger("sluice.engines")
@@ -176,6 +177,10 @@ class EngineScraper:
                 if not failing:
                     log.warning("engine telemetry: %s", exc)
                 failing = True
+            if cancel_requested():
+                # A library under step() turned our cancellation into a return or an
+                # error (redis-py, aiohttp): stop anyway, or the controller never steps down.
+                raise asyncio.CancelledError
             due = self.next_due()
             wait = 1.0 if due is None else due - self._clock()
             await asyncio.sleep(min(1.0, max(0.05, wait)))

@@ -40,10 +40,14 @@ from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceSt
 from controlplane.servicespec import ServiceSpec
 from controlplane.states import EventKind, ReplicaStatus, ServiceStatus
 from controlplane.store import LeaseLost, Store, StoreError, StoreUnavailable
+from proxy.stopping import stop_tasks
 
 log = logging.getLogger("sluice.controller")
 
 _MAX_REPLANS = 5
+#: Seconds the run loop's helper tasks (the nudge listener, the engine scraper) get to end
+#: once cancelled; past it they are abandoned, and logged.
+STOP_WITHIN = 5.0
 
 
 class Controller:
@@ -177,11 +181,9 @@ class Controller:
                     await asyncio.sleep(min(0.1 * 2**failures, 5.0))
                 await self._idle()
         finally:
-            for task in (listener, scraper):
-                task.cancel()
-            for task in (listener, scraper):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            # Cancelled again until they end (a library may swallow one cancel), within a
+            # bound: a leader stepping down must never wait on them for ever.
+            await stop_tasks((listener, scraper), STOP_WITHIN, logger=log)
 
     async def terminate_all(self) -> None:
         """Terminate every replica this controller can reach (no drain); delete the records.

@@ -82,6 +82,25 @@ class Run:
             self.finished.set()
 
 
+class SwallowingRun:
+    """A stand-in for a `Controller.run` under which a library turned the first cancel
+    into a normal return (redis-py does now and then): it goes on until cancelled again."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.swallowed = 0
+
+    async def __call__(self) -> None:
+        self.started.set()
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if self.swallowed:
+                    raise
+                self.swallowed += 1  # swallowed: the loop goes on
+
+
 @pytest.fixture
 async def recording(redis_url: str, redis_prefix: str) -> AsyncIterator[Recording]:
     async with Recording.from_url(redis_url, prefix=redis_prefix) as store:
@@ -110,6 +129,22 @@ async def test_lead_returns_at_the_first_renewal_that_finds_the_lease_stolen(
     assert recording.renewals[-1] is False
     assert run.cancelled
     assert await recording.lease_holder() == "b"  # the successor's lease is untouched
+
+
+async def test_lead_steps_down_even_when_the_run_swallows_a_cancel(
+    recording: Recording, redis_client: aioredis.Redis
+) -> None:
+    # Before: lead cancelled its run once and waited for it for ever; the resumed leader
+    # of test_fencing then never stepped down (its engine scraper had swallowed it).
+    run = SwallowingRun()
+    assert await recording.lease("a", 1.5).acquire()
+    task = asyncio.create_task(lease.lead(recording.lease("a", 1.5), run))
+    await asyncio.wait_for(run.started.wait(), 10)
+    await redis_client.set(recording.keys.leader, "b")  # a successor took it over
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert task in done, "lead still waits for a run that swallowed its cancel"
+    task.result()  # returned: stepped down
+    assert run.swallowed == 1
 
 
 async def test_a_run_refused_by_the_fence_ends_the_lead(recording: Recording) -> None:
