@@ -421,8 +421,7 @@ class PrefixPolicy:
                   or (exclude is not None and fam.primary in exclude)):
                 table.move(fam, chosen)  # its replica is gone or failed: the family moves
             else:
-                fam.secondary = chosen  # saturated: the overflow moves here
-                fam.secondary_used = table.now
+                table.spill(fid, fam, chosen)  # saturated: the overflow moves here
                 reason = SPILL
         if len(key) > 1 and self._lru_size:
             self._remember(key, chosen)

@@ -2,7 +2,10 @@
 redis-server: two proxies (each a real RedisSource, ReadySet and `prefix` policy, in
 this process) converge on one replica per family, whoever placed it; a race of two
 placements ends on one; hostile entries in the hash or on the channel are skipped,
-counted and deleted; Redis gone, routing goes on with the last view."""
+counted and deleted; Redis gone, routing goes on with the last view. A family's
+secondary (its spill replica) likewise: one proxy's spill is where the other spills,
+a race of two spills ends on one, a moved overflow is followed, hostile or stale
+secondaries and one whose replica left the set are not."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from controlplane.redisserver import EmbeddedRedis
+from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.placement import PlacementTable
@@ -168,3 +172,154 @@ async def test_redis_gone_keeps_routing_on_the_last_view(
     finally:
         await source.aclose()
         ready_set.close()
+
+
+# -- secondaries (a family's spill replica), shared through the same hash and channel --
+
+
+def secondary_url(ready_set: ReadySet, fid: int) -> str | None:
+    fam = table(ready_set).families.get(fid)
+    return None if fam is None or fam.secondary is None else fam.secondary.url
+
+
+async def placed_on_both(a: ReadySet, b: ReadySet, body: bytes) -> tuple[int, str]:
+    """The family of `body` placed by `a`, learnt and routed by `b`: (family, primary URL)."""
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    fid = family(a, body)
+    await until(lambda: primary_url(b, fid) == chosen.url, what="b to learn a's placement")
+    # b routes it there too (its longest-prefix memory learns the family at home, as
+    # from a family's first requests): what follows is about spilling only.
+    assert b.choose(None, Req(body)) is not None
+    return fid, chosen.url
+
+
+async def test_a_spill_one_proxy_chose_is_where_the_other_spills(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=111)[0]
+    fid, home = await placed_on_both(a, b, body)
+    urls = [r.url for r in a.replicas]
+    others = [u for u in urls if u != home]
+    # a: its primary saturated (6 of 6 in flight, bound ceil(2 x 7 / 4) = 4): spills to
+    # the idle replica it sees.
+    set_loads(a, {u: 6 if u == home else 1 for u in urls} | {others[0]: 0})
+    spill = a.choose(None, Req(body))
+    assert spill is not None and spill.url == others[0]
+    await until(lambda: secondary_url(b, fid) == others[0], what="b to learn a's spill")
+    # b: saturated too, and others[0] is busier there than the others: b alone would
+    # spill to others[1]; the shared secondary is within the bound, so b spills there.
+    set_loads(b, {home: 6, others[0]: 2, others[1]: 0, others[2]: 1})
+    assert b.choose(None, Req(body)).url == others[0]  # type: ignore[union-attr]
+
+
+async def test_two_proxies_spilling_one_family_at_once_converge(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=121)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r.url for r in a.replicas if r.url != home]
+    # Each proxy sees another replica idle: each alone spills to another one.
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 1})
+    set_loads(b, {home: 6, others[0]: 1, others[1]: 0, others[2]: 1})
+    first_a, first_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert first_a is not None and first_b is not None
+    assert (first_a.url, first_b.url) == (others[0], others[1])
+    await until(lambda: secondary_url(a, fid) == secondary_url(b, fid),
+                what="both proxies to agree on the spill")  # fmt: skip
+    agreed = secondary_url(a, fid)
+    stored = await redis_client.hget(Keys(redis_prefix).placement("svc"), f"s{fid:x}")
+    assert stored is not None and stored.split(b" ", 1)[1].decode() == agreed  # first writer
+    again_a, again_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert again_a is not None and again_b is not None
+    assert again_a.url == again_b.url == agreed
+
+
+async def test_a_moved_overflow_replaces_the_shared_spill(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=131)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r.url for r in a.replicas if r.url != home]
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 1})
+    assert a.choose(None, Req(body)).url == others[0]  # type: ignore[union-attr]
+    await until(lambda: secondary_url(b, fid) == others[0], what="b to learn the spill")
+    # The spill replica failed this request on a (a retry excludes it), the primary
+    # still saturated: the overflow moves, and b follows the move (HSET, not HSETNX).
+    failed = {r for r in a.replicas if r.url == others[0]}
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 0})
+    assert a.choose(failed, Req(body)).url == others[2]  # type: ignore[union-attr]
+    await until(lambda: secondary_url(b, fid) == others[2], what="b to follow the move")
+
+
+async def test_hostile_spill_entries_are_skipped_counted_and_deleted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), (_, b, _) = two
+    body = bodies(1, seed=141)[0]
+    fid, home = await placed_on_both(a, b, body)
+    other = next(r.url for r in a.replicas if r.url != home)
+    keys = Keys(redis_prefix)
+    key = keys.placement("svc")
+    now = time.time()
+    hostile = {
+        "s": f"{now:.3f} {other}",  # no family
+        "szz": f"{now:.3f} {other}",  # not hex
+        "s123456789": f"{now:.3f} {other}",  # more than 8 digits
+        "s-1": f"{now:.3f} {other}",  # a sign
+        "s 1": f"{now:.3f} {other}",  # a space
+        "ss1": f"{now:.3f} {other}",  # twice marked
+        "s7": "9999999999.0 " + other,  # from the future: would never expire
+        "s8": "inf " + other,
+        "s9": "\xff\xfe garbage",
+        "sa": "x" * 5000,
+    }
+    await redis_client.hset(key, mapping=hostile)  # type: ignore[arg-type]
+    # Well-formed but not to be followed: a replica outside the set (skipped, counted,
+    # left to expire), one older than a secondary lives (deleted, not counted), the
+    # family's own primary (ignored).
+    await redis_client.publish(keys.placed("svc"),
+                               f"s{fid:x} {now:.3f} http://evil.example:1".encode())
+    stale = f"{now - 100:.3f} {other}"  # placement_ttl 300: secondaries live 75 s
+    await redis_client.hset(key, f"s{fid:x}", stale)
+    await redis_client.publish(keys.placed("svc"), f"s{fid:x} {now:.3f} {home}\n".encode()
+                               + b"s5 nan " + other.encode() + b"\n\x00\x01")
+    await until(lambda: stats.placements_skipped >= len(hostile) + 3,
+                what="the hostile entries to be counted")  # fmt: skip
+    await until(lambda: _gone(redis_client, key, {**hostile, f"s{fid:x}": ""}),
+                what="the bad and stale entries deleted")  # fmt: skip
+    assert secondary_url(a, fid) is None and secondary_url(b, fid) is None
+    assert not {7, 8, 9, 10} & set(table(a).families)
+    assert a.choose(None, Req(body)).url == home  # type: ignore[union-attr]
+    # Spilling still works and is still shared.
+    set_loads(a, {u.url: 6 if u.url == home else 0 for u in a.replicas})
+    spill = a.choose(None, Req(body))
+    assert spill is not None and spill.url != home
+    await until(lambda: secondary_url(b, fid) == spill.url, what="b to learn the spill")
+
+
+async def test_a_shared_spill_whose_replica_left_the_set_is_not_followed(
+    store: Store, two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, _), (_, b, stats_b) = two
+    body = bodies(1, seed=151)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r for r in a.replicas if r.url != home]
+    gone = others[0]
+    set_loads(a, {r.url: 6 if r.url == home else (0 if r is gone else 1) for r in a.replicas})
+    assert a.choose(None, Req(body)) is gone
+    await until(lambda: secondary_url(b, fid) == gone.url, what="b to learn the spill")
+    # The spill replica leaves the set; its entry stays in the hash (it only expires).
+    ids = {f"http://127.0.0.1:{20000 + i}": i for i in range(1, 5)}
+    await store.commit("svc", replica_updates=[
+        replica(ids[gone.url], status=ReplicaStatus.NOT_READY)])
+    await until(lambda: len(a.replicas) == len(b.replicas) == 3, what="the set to shrink")
+    assert secondary_url(a, fid) is None and secondary_url(b, fid) is None
+    seen = stats_b.placements_skipped
+    await redis_client.publish(Keys(redis_prefix).placed("svc"),
+                               f"s{fid:x} {time.time():.3f} {gone.url}".encode())
+    await until(lambda: stats_b.placements_skipped > seen, what="the message to be skipped")
+    assert secondary_url(b, fid) is None
+    for ready_set in (a, b):
+        set_loads(ready_set, {home: 6})
+        spill = ready_set.choose(None, Req(body))
+        assert spill is not None and spill.url not in (home, gone.url)
