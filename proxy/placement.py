@@ -30,8 +30,11 @@ queued in `outbox` (bounded); the source publishes them first-writer-wins and
 primary per family. The secondaries likewise: a spill this proxy chose is
 queued in `spill_outbox` (a first spill is published first-writer-wins, a
 moved overflow overwrites) and `adopt_spills()` takes the shared one, so a hot
-family spills to one replica fleet-wide, not one per proxy. Without Redis the
-table is this proxy's own decisions.
+family spills to one replica fleet-wide, not one per proxy. A request that
+spilled queues a deep block of its key in `turn_outbox`: the source announces it and
+the other proxies' longest-prefix memories learn it (`PrefixPolicy.learn`), so
+a conversation's next turn follows it to the spill replica on any proxy.
+Without Redis the table is this proxy's own decisions.
 Everything here is synchronous and allocation-light: a known family costs one
 dict lookup and a move_to_end; a new one a walk over the replicas.
 """
@@ -95,6 +98,8 @@ class PlacementTable:
         self.outbox: list[tuple[int, str]] = []
         # (family, secondary URL, moved: it replaced a saturated secondary) likewise.
         self.spill_outbox: list[tuple[int, str, bool]] = []
+        # (a deep block of a request that spilled, its replica URL) likewise.
+        self.turn_outbox: list[tuple[int, str]] = []
         # A coarse clock, set by refresh(): no clock read on the request path.
         self.now = time.time()
 
@@ -248,6 +253,11 @@ class PlacementTable:
         fam.secondary_used = self.now
         if len(self.spill_outbox) < MAX_OUTBOX:
             self.spill_outbox.append((fid, replica.url, moved))
+
+    def spilled_turn(self, block: int, replica: ReplicaView) -> None:
+        """A request whose key holds `block` (last but one) spilled to `replica` (queued)."""
+        if len(self.turn_outbox) < MAX_OUTBOX:
+            self.turn_outbox.append((block, replica.url))
 
     def move(self, fam: Family, replica: ReplicaView) -> None:
         """`fam`'s primary is gone or excluded: `replica` is its primary now."""

@@ -21,6 +21,13 @@ request path:
   family's primary. (A proxy of a release before this parses `s...` fields as
   malformed and deletes them: during a rolling upgrade secondaries are shared
   only among upgraded proxies.)
+- **spilled turns**: a request routed to a secondary has a deep block of its
+  key (the last but one) announced on the channel only (line `t<block hex> <at>
+  <url>`, not stored); every other proxy's longest-prefix memory learns it
+  (first writer wins), so
+  the conversation's next turn, whichever proxy it reaches, follows its history
+  to the spill replica instead of its family's primary. A proxy that missed the
+  message routes that turn by family, as before.
 - **follow**: the task subscribes to that channel; and every `scan_interval`
   (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
   next tick), adopting what it missed (a proxy that just started, a lost
@@ -66,6 +73,7 @@ MAX_MESSAGE = 1 << 20
 MAX_FIELD = 8  # hex digits: families are 32-bit
 MAX_VALUE = 2100  # a time and a URL of at most 2048 bytes
 SPILL = b"s"  # field prefix of a family's secondary
+TURN = b"t"  # line prefix of a spilled turn's block (channel only; not hex, like "s")
 
 
 def encode_entry(at: float, url: str) -> bytes:
@@ -77,15 +85,18 @@ def spill_field(fid: int) -> str:
 
 
 def parse_entry(field: bytes | str,
-                value: bytes | str) -> tuple[int, float, str, bool] | None:
-    """(family, at, url, secondary) of one hash entry, or None when it is malformed."""
+                value: bytes | str) -> tuple[int, float, str, bytes] | None:
+    """(family or block, at, url, kind) of one entry, or None when it is malformed; kind:
+    b"" a primary, SPILL a secondary, TURN a spilled turn's block."""
     if isinstance(field, str):
         field = field.encode()
     if isinstance(value, str):
         value = value.encode()
-    spill = field[:1] == SPILL
-    if spill:
+    kind = field[:1]
+    if kind == SPILL or kind == TURN:
         field = field[1:]
+    else:
+        kind = b""
     if not 0 < len(field) <= MAX_FIELD or len(value) > MAX_VALUE:
         return None
     try:
@@ -99,19 +110,20 @@ def parse_entry(field: bytes | str,
         return None
     if fid < 0 or not math.isfinite(at) or at < 0 or not url:
         return None
-    return fid, at, url, spill
+    return fid, at, url, kind
 
 
-Entries = list[tuple[int, str, float]]  # (family, url, at)
+Entries = list[tuple[int, str, float]]  # (family or block, url, at)
 
 
-def parse_lines(payload: bytes) -> tuple[Entries, Entries, int]:
+def parse_lines(payload: bytes) -> tuple[Entries, Entries, Entries, int]:
     """A `placed` message: lines of "<field> <at> <url>"; (primaries, secondaries,
-    skipped)."""
+    spilled turns, skipped)."""
     if len(payload) > MAX_MESSAGE:
-        return [], [], 1
+        return [], [], [], 1
     entries: Entries = []
     spills: Entries = []
+    turns: Entries = []
     skipped = 0
     for line in payload.split(b"\n"):
         if not line:
@@ -120,9 +132,11 @@ def parse_lines(payload: bytes) -> tuple[Entries, Entries, int]:
         parsed = parse_entry(field, value)
         if parsed is None:
             skipped += 1
-        else:
-            (spills if parsed[3] else entries).append((parsed[0], parsed[2], parsed[1]))
-    return entries, spills, skipped
+            continue
+        kind = parsed[3]
+        out = entries if not kind else spills if kind == SPILL else turns
+        out.append((parsed[0], parsed[2], parsed[1]))
+    return entries, spills, turns, skipped
 
 
 class PlacementSync:
@@ -194,18 +208,23 @@ class PlacementSync:
                 data = msg.get("data")
                 if not isinstance(data, bytes):
                     continue
-                entries, spills, skipped = parse_lines(data)
+                entries, spills, turns, skipped = parse_lines(data)
                 self.adopted_messages += 1
-                self._adopt(entries, skipped, spills)
+                self._adopt(entries, skipped, spills, turns)
         finally:
             await pubsub.aclose()
 
     def _adopt(self, entries: Iterable[tuple[int, str, float]], skipped: int,
-               spills: Iterable[tuple[int, str, float]] = ()) -> None:
+               spills: Iterable[tuple[int, str, float]] = (),
+               turns: Entries | None = None) -> None:
         table = self.table()
         if table is not None:
             skipped += table.adopt(entries)
             skipped += table.adopt_spills(spills)  # after: a spill needs its primary
+            if turns:
+                learn = getattr(self._ready_set.policy, "learn", None)
+                if learn is not None:
+                    skipped += learn(turns)
         if skipped:
             self._stats.placements_skipped += skipped
             if not self._warned_skip:
@@ -221,6 +240,10 @@ class PlacementSync:
         now = self._clock()
         if table.outbox or table.spill_outbox:
             await self._publish(table, now)
+        if table.turn_outbox:
+            turns, table.turn_outbox = table.turn_outbox, []
+            await self._client.publish(self._channel, b"\n".join(
+                f"t{block:x} ".encode() + encode_entry(now, url) for block, url in turns))
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             table.refresh(now)
@@ -254,14 +277,14 @@ class PlacementSync:
             stored = results[n + i]
             if (results[i] and not moved) or (moved and stored == mine + url.encode()):
                 won.append(f"{field} ".encode() + encode_entry(now, url))
-                if field[:1] == "s":
+                if field[:1] == "s":  # SPILL
                     spills.append((fid, url, now))  # ours again if a message replaced it
                 continue
             parsed = parse_entry(field, stored) if stored is not None else None
             if parsed is None:
                 skipped += stored is not None
                 continue
-            if parsed[3]:
+            if parsed[3] == SPILL:
                 spills.append((fid, parsed[2], parsed[1]))
             elif parsed[2] != url:
                 lost.append((fid, parsed[2], parsed[1]))
@@ -289,7 +312,12 @@ class PlacementSync:
                 skipped += 1
                 expired.append(field)  # a hostile or broken entry goes
                 continue
-            fid, at, url, spill = parsed
+            fid, at, url, kind = parsed
+            if kind == TURN:  # never stored: a hostile entry
+                skipped += 1
+                expired.append(field)
+                continue
+            spill = kind == SPILL
             if at > now + 60:  # from the future: it would never expire
                 skipped += 1
                 expired.append(field)

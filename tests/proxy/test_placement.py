@@ -15,7 +15,7 @@ from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
-from tests.proxy.test_prefix import RDV, URLS, Req, bodies
+from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat
 from tests.proxy.test_prefix import snapshot as prefix_snapshot
 
 CAP = PrefixOptions(placement="capacity")
@@ -212,3 +212,30 @@ def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None
                          options=PrefixOptions(epsilon=0.5, placement="capacity")))
     assert fam.secondary is None
     assert table.adopt_spills([(fid, fourth.url, 999.0)]) == 1 and fam.secondary is None
+
+
+def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    system = "System prompt 81. " + LONG
+    home = ready.choose(None, Req(chat(system, "q")))
+    assert home is not None and table.turn_outbox == []  # at home: nothing to tell
+    home.inflight = 6
+    turn = chat(system, "A question long enough to fill blocks of its own. " * 12)
+    spill = ready.choose(None, Req(turn))
+    assert spill is not None and spill is not home
+    key = policy.key_of(Req(turn))  # type: ignore[attr-defined]
+    assert table.turn_outbox == [(key[-2], spill.url)]
+    lru = policy._lru  # type: ignore[attr-defined]
+    other = next(r for r in ready.replicas if r not in (home, spill))
+    skipped = policy.learn([  # type: ignore[attr-defined]
+        (key[-2], other.url, 999.0),  # known here: first writer wins
+        (77, other.url, 999.0),
+        (78, other.url, 900.0),  # older than a secondary lives (75 s)
+        (79, "http://evil:1", 999.0),
+    ])
+    assert skipped == 1
+    assert lru[key[-2]] is spill and lru[77] is other and 78 not in lru and 79 not in lru

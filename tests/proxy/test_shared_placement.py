@@ -5,7 +5,8 @@ placements ends on one; hostile entries in the hash or on the channel are skippe
 counted and deleted; Redis gone, routing goes on with the last view. A family's
 secondary (its spill replica) likewise: one proxy's spill is where the other spills,
 a race of two spills ends on one, a moved overflow is followed, hostile or stale
-secondaries and one whose replica left the set are not."""
+secondaries and one whose replica left the set are not. A conversation's turn that
+spilled on one proxy is where its next turn goes on the other."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
 from proxy.wire.keys import Keys
-from tests.proxy.test_prefix import Req, bodies
+from tests.proxy.test_prefix import LONG, Req, bodies, chat
 from tests.support.builders import registered, replica
 from tests.support.poll import until
 
@@ -323,3 +324,66 @@ async def test_a_shared_spill_whose_replica_left_the_set_is_not_followed(
         set_loads(ready_set, {home: 6})
         spill = ready_set.choose(None, Req(body))
         assert spill is not None and spill.url not in (home, gone.url)
+
+
+# -- spilled turns: a conversation's next turn follows its spill on any proxy -------------
+
+
+def conversation(seed: int) -> tuple[bytes, bytes, bytes]:
+    """(another conversation of the family, a turn, the conversation's next turn)."""
+    system = f"System prompt {seed}. " + LONG
+    question = "A question long enough to fill several blocks of the key. " * 12
+    return (chat(system, "Something else entirely. " * 12), chat(system, question),
+            chat(system, question, "An answer. " * 20, "A follow-up?"))
+
+
+async def test_the_next_turn_follows_a_turn_that_spilled_on_another_proxy(
+    two: list[Proxy],
+) -> None:
+    (_, a, _), (_, b, _) = two
+    other, turn, after = conversation(161)
+    _, home = await placed_on_both(a, b, other)
+    set_loads(a, {r.url: 6 if r.url == home else 0 for r in a.replicas})
+    spill = a.choose(None, Req(turn))
+    assert spill is not None and spill.url != home
+    # b never saw this conversation: by its family alone it goes home (no load on b);
+    # once a's announcement arrives, its next turn follows its history to the spill.
+    assert b.choose(None, Req(after.replace(b"A question", b"B question"))).url == home  # type: ignore[union-attr]
+    policy = b.policy
+    block = policy.key_of(Req(turn))[-2]  # type: ignore[attr-defined]
+    await until(lambda: block in policy._lru, what="b to learn the spilled turn")  # type: ignore[attr-defined]
+    assert b.choose(None, Req(after)) is not None
+    assert b.choose(None, Req(after)).url == spill.url  # type: ignore[union-attr]
+
+
+async def test_hostile_spilled_turns_are_skipped_and_counted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), _ = two
+    other, turn, _ = conversation(171)
+    _, home = await placed_on_both(a, a, other)
+    block = a.policy.key_of(Req(turn))[-2]  # type: ignore[attr-defined]
+    keys = Keys(redis_prefix)
+    now = time.time()
+    lines = [
+        f"t {now:.3f} {home}",  # no block
+        f"tzz {now:.3f} {home}",  # not hex
+        f"t123456789 {now:.3f} {home}",  # more than 8 digits
+        f"t{block:x} nan {home}",
+        f"t{block:x} {now:.3f} http://evil.example:1",  # not a replica of the set
+        f"t{block:x} 9999999999.0 {home}",  # from the future
+    ]
+    await redis_client.publish(keys.placed("svc"), "\n".join(lines).encode())
+    # Spilled turns are never stored: one in the hash is deleted by the scan.
+    await redis_client.hset(keys.placement("svc"), f"t{block:x}", f"{now:.3f} {home}")
+    await until(lambda: stats.placements_skipped >= len(lines) + 1,
+                what="the hostile turns to be counted")  # fmt: skip
+    await until(lambda: _gone(redis_client, keys.placement("svc"), {f"t{block:x}": ""}),
+                what="the stored turn deleted")  # fmt: skip
+    assert block not in a.policy._lru  # type: ignore[attr-defined]
+    # Stale (older than a secondary lives): not learnt, not counted.
+    seen = stats.placements_skipped
+    await redis_client.publish(keys.placed("svc"), f"t{block:x} {now - 100:.3f} {home}\n"
+                               "zz 1.0 x".encode())  # fmt: skip
+    await until(lambda: stats.placements_skipped == seen + 1, what="the message handled")
+    assert block not in a.policy._lru  # type: ignore[attr-defined]
