@@ -38,6 +38,8 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   long shared prompt) follows its longest known prefix. The first writer
   wins, so the LRU repeats the rendezvous choice unless that replica was
   full; proxies may disagree on it, the rendezvous order is the agreement.
+  With shared placement it also learns (`learn`) the blocks other proxies
+  announce for requests they sent to a family's spill replica.
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
