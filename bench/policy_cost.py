@@ -1,6 +1,8 @@
 """What one policy decision costs: `ReadySet.choose` for least_load, p2c and prefix on 4
 replicas and 64 chat bodies sharing 24 system prompts (the prefix key is computed fresh
-for every call), best of 5 rounds of 20,000 calls. Nothing is asserted.
+for every call), best of 5 rounds of 20,000 calls. Nothing is asserted. `prefix` is
+`placement: auto`, which without Redis is rendezvous; `prefix/capacity` routes with the
+placement table, as a proxy on Redis does.
 
     python bench/policy_cost.py
 """
@@ -55,7 +57,7 @@ def main() -> None:
         bodies.append(json.dumps({"model": "m", "messages": [
             {"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}]}
         ).encode())  # fmt: skip
-    for policy in ("least_load", "p2c", "prefix", "prefix/rendezvous"):
+    for policy in ("least_load", "p2c", "prefix", "prefix/rendezvous", "prefix/capacity"):
         best = min(run(policy, bodies) for _ in range(5))
         print(f"{policy:>17}: {best:.2f} us per decision (best of 5 x 20,000)")
 

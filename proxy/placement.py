@@ -27,7 +27,14 @@ holds at most `max_families` (oldest use first out).
 Shared placement (proxy/sources/redis.py): every family this proxy placed is
 queued in `outbox` (bounded); the source publishes them first-writer-wins and
 `adopt()`s what the other proxies placed, so all proxies converge on one
-primary per family. Without Redis the table is this proxy's own decisions.
+primary per family. The secondaries likewise: a spill this proxy chose is
+queued in `spill_outbox` (a first spill is published first-writer-wins, a
+moved overflow overwrites) and `adopt_spills()` takes the shared one, so a hot
+family spills to one replica fleet-wide, not one per proxy. A request that
+spilled queues a deep block of its key in `turn_outbox`: the source announces it and
+the other proxies' longest-prefix memories learn it (`PrefixPolicy.learn`), so
+a conversation's next turn follows it to the spill replica on any proxy.
+Without Redis the table is this proxy's own decisions.
 Everything here is synchronous and allocation-light: a known family costs one
 dict lookup and a move_to_end; a new one a walk over the replicas.
 """
@@ -89,6 +96,10 @@ class PlacementTable:
         self.by_url: dict[str, ReplicaView] = {}
         # (family, replica URL) placed here and not yet published (drained by the source).
         self.outbox: list[tuple[int, str]] = []
+        # (family, secondary URL, moved: it replaced a saturated secondary) likewise.
+        self.spill_outbox: list[tuple[int, str, bool]] = []
+        # (a deep block of a request that spilled, its replica URL) likewise.
+        self.turn_outbox: list[tuple[int, str]] = []
         # A coarse clock, set by refresh(): no clock read on the request path.
         self.now = time.time()
 
@@ -161,6 +172,30 @@ class PlacementTable:
                 self.placed[replica] = self.placed.get(replica, 0) + 1
         return skipped
 
+    def adopt_spills(self, entries: Iterable[tuple[int, str, float]]) -> int:
+        """Merge the secondaries the proxies share (family, URL, when written).
+
+        The shared one replaces this proxy's own. Skipped: an entry naming a replica not in
+        the set (counted), older than a secondary lives (`ttl / 4`), for a family this
+        proxy has not placed, or naming the family's primary. Returns how many counted.
+        """
+        skipped = 0
+        now = self.now
+        cut = now - self.ttl / 4
+        for fid, url, at in entries:
+            replica = self.by_url.get(url)
+            if replica is None or at > now + 60:
+                skipped += 1
+                continue
+            fam = self.families.get(fid)
+            if (at < cut or fam is None or fam.primary is replica
+                    or replica.left_at is not None):
+                continue
+            fam.secondary = replica
+            if fam.secondary_used < at:
+                fam.secondary_used = at
+        return skipped
+
     # -- on the request path --------------------------------------------------------------
 
     def place(self, order: Sequence[ReplicaView], exclude: set[ReplicaView] | None,
@@ -209,6 +244,20 @@ class PlacementTable:
             self._uncount(old.primary)
         if publish and len(self.outbox) < MAX_OUTBOX:
             self.outbox.append((fid, replica.url))
+
+    def spill(self, fid: int, fam: Family, replica: ReplicaView) -> None:
+        """`fam`'s primary (and secondary, if any) is saturated: `replica` takes the
+        overflow, queued for publishing."""
+        moved = fam.secondary is not None
+        fam.secondary = replica
+        fam.secondary_used = self.now
+        if len(self.spill_outbox) < MAX_OUTBOX:
+            self.spill_outbox.append((fid, replica.url, moved))
+
+    def spilled_turn(self, block: int, replica: ReplicaView) -> None:
+        """A request whose key holds `block` (last but one) spilled to `replica` (queued)."""
+        if len(self.turn_outbox) < MAX_OUTBOX:
+            self.turn_outbox.append((block, replica.url))
 
     def move(self, fam: Family, replica: ReplicaView) -> None:
         """`fam`'s primary is gone or excluded: `replica` is its primary now."""

@@ -38,6 +38,8 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   long shared prompt) follows its longest known prefix. The first writer
   wins, so the LRU repeats the rendezvous choice unless that replica was
   full; proxies may disagree on it, the rendezvous order is the agreement.
+  With shared placement it also learns (`learn`) the blocks other proxies
+  announce for requests they sent to a family's spill replica.
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
@@ -52,7 +54,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from zlib import crc32
 
 from proxy.interfaces import Policy, ReplicaView, Routable
@@ -421,13 +423,37 @@ class PrefixPolicy:
                   or (exclude is not None and fam.primary in exclude)):
                 table.move(fam, chosen)  # its replica is gone or failed: the family moves
             else:
-                fam.secondary = chosen  # saturated: the overflow moves here
-                fam.secondary_used = table.now
+                table.spill(fid, fam, chosen)  # saturated: the overflow moves here
                 reason = SPILL
         if len(key) > 1 and self._lru_size:
             self._remember(key, chosen)
+            if reason == SPILL:  # the other proxies would not follow it: tell them
+                # The last block but one: the last may hold the body's tail after the
+                # messages, which the conversation's next turn does not repeat.
+                table.spilled_turn(key[-2] if len(key) > 2 else key[-1], chosen)
         self._counts[chosen][reason] += 1
         return chosen
+
+    def learn(self, blocks: Iterable[tuple[int, str, float]]) -> int:
+        """The longest-prefix memory learns blocks other proxies routed off their family's
+        replica (block, URL, when; proxy/sources/placement.py), first writer wins; an
+        entry naming a replica not in the set, or older than a secondary lives, is
+        skipped; returns how many named a replica not in the set."""
+        table = self.placement
+        if table is None or not self._lru_size:
+            return 0
+        skipped = 0
+        lru = self._lru
+        cut = table.now - table.ttl / 4
+        for block, url, at in blocks:
+            replica = table.by_url.get(url)
+            if replica is None or at > table.now + 60:
+                skipped += 1
+            elif at >= cut and block not in lru:
+                lru[block] = replica
+        while len(lru) > self._lru_size:
+            lru.popitem(last=False)
+        return skipped
 
     def _remember(self, key: tuple[int, ...], replica: ReplicaView) -> None:
         """The LRU learns that the key's blocks 2.. are at `replica` (first writer wins)."""

@@ -11,6 +11,23 @@ request path:
   HGETs each field back: a family another proxy placed first is adopted at
   once. The winners are PUBLISHed on `{prefix}:svc:{name}:placed` (the same
   lines), so every other proxy adopts them within one round trip.
+- **secondaries** (a family's spill replica when its primary is over the load
+  bound) go through the same hash and channel under the field `s<family hex>`:
+  a first spill is HSETNX (first writer wins, the loser adopts the winner), an
+  overflow that moved off a saturated secondary is HSET (the move is shared);
+  both are read back in the same pipeline. A secondary lives `ttl / 4` (like the
+  table's own), is re-written while this proxy still spills there, and is only
+  adopted for a family placed here, naming a replica of the set other than the
+  family's primary. (A proxy of a release before this parses `s...` fields as
+  malformed and deletes them: during a rolling upgrade secondaries are shared
+  only among upgraded proxies.)
+- **spilled turns**: a request routed to a secondary has a deep block of its
+  key (the last but one) announced on the channel only (line `t<block hex> <at>
+  <url>`, not stored); every other proxy's longest-prefix memory learns it
+  (first writer wins), so
+  the conversation's next turn, whichever proxy it reaches, follows its history
+  to the spill replica instead of its family's primary. A proxy that missed the
+  message routes that turn by family, as before.
 - **follow**: the task subscribes to that channel; and every `scan_interval`
   (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
   next tick), adopting what it missed (a proxy that just started, a lost
@@ -55,21 +72,36 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 20
 MAX_FIELD = 8  # hex digits: families are 32-bit
 MAX_VALUE = 2100  # a time and a URL of at most 2048 bytes
+SPILL = b"s"  # field prefix of a family's secondary
+TURN = b"t"  # line prefix of a spilled turn's block (channel only; not hex, like "s")
 
 
 def encode_entry(at: float, url: str) -> bytes:
     return f"{at:.3f} {url}".encode()
 
 
-def parse_entry(field: bytes | str, value: bytes | str) -> tuple[int, float, str] | None:
-    """(family, at, url) of one hash entry, or None when it is malformed."""
+def spill_field(fid: int) -> str:
+    return f"s{fid:x}"
+
+
+def parse_entry(field: bytes | str,
+                value: bytes | str) -> tuple[int, float, str, bytes] | None:
+    """(family or block, at, url, kind) of one entry, or None when it is malformed; kind:
+    b"" a primary, SPILL a secondary, TURN a spilled turn's block."""
     if isinstance(field, str):
         field = field.encode()
     if isinstance(value, str):
         value = value.encode()
+    kind = field[:1]
+    if kind == SPILL or kind == TURN:
+        field = field[1:]
+    else:
+        kind = b""
     if not 0 < len(field) <= MAX_FIELD or len(value) > MAX_VALUE:
         return None
     try:
+        if not field.isalnum():  # int() takes signs, "_" and spaces
+            return None
         fid = int(field, 16)
         at_raw, _, url_raw = value.partition(b" ")
         at = float(at_raw)
@@ -78,14 +110,20 @@ def parse_entry(field: bytes | str, value: bytes | str) -> tuple[int, float, str
         return None
     if fid < 0 or not math.isfinite(at) or at < 0 or not url:
         return None
-    return fid, at, url
+    return fid, at, url, kind
 
 
-def parse_lines(payload: bytes) -> tuple[list[tuple[int, str, float]], int]:
-    """A `placed` message: lines of "<family hex> <at> <url>"; (entries, skipped)."""
+Entries = list[tuple[int, str, float]]  # (family or block, url, at)
+
+
+def parse_lines(payload: bytes) -> tuple[Entries, Entries, Entries, int]:
+    """A `placed` message: lines of "<field> <at> <url>"; (primaries, secondaries,
+    spilled turns, skipped)."""
     if len(payload) > MAX_MESSAGE:
-        return [], 1
-    entries: list[tuple[int, str, float]] = []
+        return [], [], [], 1
+    entries: Entries = []
+    spills: Entries = []
+    turns: Entries = []
     skipped = 0
     for line in payload.split(b"\n"):
         if not line:
@@ -94,9 +132,11 @@ def parse_lines(payload: bytes) -> tuple[list[tuple[int, str, float]], int]:
         parsed = parse_entry(field, value)
         if parsed is None:
             skipped += 1
-        else:
-            entries.append((parsed[0], parsed[2], parsed[1]))
-    return entries, skipped
+            continue
+        kind = parsed[3]
+        out = entries if not kind else spills if kind == SPILL else turns
+        out.append((parsed[0], parsed[2], parsed[1]))
+    return entries, spills, turns, skipped
 
 
 class PlacementSync:
@@ -168,16 +208,23 @@ class PlacementSync:
                 data = msg.get("data")
                 if not isinstance(data, bytes):
                     continue
-                entries, skipped = parse_lines(data)
+                entries, spills, turns, skipped = parse_lines(data)
                 self.adopted_messages += 1
-                self._adopt(entries, skipped)
+                self._adopt(entries, skipped, spills, turns)
         finally:
             await pubsub.aclose()
 
-    def _adopt(self, entries: Iterable[tuple[int, str, float]], skipped: int) -> None:
+    def _adopt(self, entries: Iterable[tuple[int, str, float]], skipped: int,
+               spills: Iterable[tuple[int, str, float]] = (),
+               turns: Entries | None = None) -> None:
         table = self.table()
         if table is not None:
             skipped += table.adopt(entries)
+            skipped += table.adopt_spills(spills)  # after: a spill needs its primary
+            if turns:
+                learn = getattr(self._ready_set.policy, "learn", None)
+                if learn is not None:
+                    skipped += learn(turns)
         if skipped:
             self._stats.placements_skipped += skipped
             if not self._warned_skip:
@@ -191,8 +238,12 @@ class PlacementSync:
         if table is None:
             return
         now = self._clock()
-        if table.outbox:
+        if table.outbox or table.spill_outbox:
             await self._publish(table, now)
+        if table.turn_outbox:
+            turns, table.turn_outbox = table.turn_outbox, []
+            await self._client.publish(self._channel, b"\n".join(
+                f"t{block:x} ".encode() + encode_entry(now, url) for block, url in turns))
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             table.refresh(now)
@@ -200,32 +251,44 @@ class PlacementSync:
 
     async def _publish(self, table: PlacementTable, now: float) -> None:
         box, table.outbox = table.outbox, []
+        spill_box, table.spill_outbox = table.spill_outbox, []
         if self._hlen >= self.max_entries(table):
             return  # the hash is full: decide locally until entries expire
-        fields = [f"{fid:x}" for fid, _ in box]
+        # The primaries first: a secondary is adopted only for a family placed.
+        writes = [(f"{fid:x}", fid, url, False) for fid, url in box]
+        writes += [(spill_field(fid), fid, url, moved) for fid, url, moved in spill_box]
         async with self._client.pipeline(transaction=False) as pipe:
-            for field, (_, url) in zip(fields, box, strict=True):
-                pipe.hsetnx(self._key, field, encode_entry(now, url))
-            for field in fields:
+            for field, _, url, moved in writes:
+                if moved:  # off a saturated secondary: the move is shared
+                    pipe.hset(self._key, field, encode_entry(now, url))
+                else:
+                    pipe.hsetnx(self._key, field, encode_entry(now, url))
+            for field, *_ in writes:
                 pipe.hget(self._key, field)
             pipe.expire(self._key, int(table.ttl) + 1)
             results = await pipe.execute()
-        n = len(box)
+        n = len(writes)
         won: list[bytes] = []
         lost: list[tuple[int, str, float]] = []
+        spills: list[tuple[int, str, float]] = []
         skipped = 0
-        for i, (field, (fid, url)) in enumerate(zip(fields, box, strict=True)):
-            if results[i]:
-                won.append(f"{field} ".encode() + encode_entry(now, url))
-                continue
+        mine = encode_entry(now, "")
+        for i, (field, fid, url, moved) in enumerate(writes):
             stored = results[n + i]
+            if (results[i] and not moved) or (moved and stored == mine + url.encode()):
+                won.append(f"{field} ".encode() + encode_entry(now, url))
+                if field[:1] == "s":  # SPILL
+                    spills.append((fid, url, now))  # ours again if a message replaced it
+                continue
             parsed = parse_entry(field, stored) if stored is not None else None
             if parsed is None:
                 skipped += stored is not None
                 continue
-            if parsed[2] != url:
+            if parsed[3] == SPILL:
+                spills.append((fid, parsed[2], parsed[1]))
+            elif parsed[2] != url:
                 lost.append((fid, parsed[2], parsed[1]))
-        self._adopt(lost, skipped)
+        self._adopt(lost, skipped, spills)
         if won:
             self.published += len(won)
             await self._client.publish(self._channel, b"\n".join(won))
@@ -239,30 +302,41 @@ class PlacementSync:
         self._hlen = int(hlen)
         self._cursor = int(cursor)
         entries: list[tuple[int, str, float]] = []
+        spills: list[tuple[int, str, float]] = []
         expired: list[bytes | str] = []
         refresh: dict[str, bytes] = {}
         skipped = 0
-        cut = now - table.ttl
         for field, value in list(found.items())[:cap]:
             parsed = parse_entry(field, value)
             if parsed is None:
                 skipped += 1
                 expired.append(field)  # a hostile or broken entry goes
                 continue
-            fid, at, url = parsed
+            fid, at, url, kind = parsed
+            if kind == TURN:  # never stored: a hostile entry
+                skipped += 1
+                expired.append(field)
+                continue
+            spill = kind == SPILL
             if at > now + 60:  # from the future: it would never expire
                 skipped += 1
                 expired.append(field)
                 continue
-            if at < cut:
+            ttl = table.ttl / 4 if spill else table.ttl  # a secondary lives a quarter
+            if at < now - ttl:
                 expired.append(field)
                 continue
-            entries.append((fid, url, at))
+            (spills if spill else entries).append((fid, url, at))
             fam = table.families.get(fid)
-            if (at < now - table.ttl / 2 and fam is not None and fam.primary.url == url
-                    and fam.used >= now - table.ttl / 2):
+            if at >= now - ttl / 2 or fam is None:
+                continue
+            if spill:  # this proxy still spills there: the entry lives on
+                if (fam.secondary is not None and fam.secondary.url == url
+                        and fam.secondary_used >= now - ttl / 2):
+                    refresh[spill_field(fid)] = encode_entry(now, url)
+            elif fam.primary.url == url and fam.used >= now - ttl / 2:
                 refresh[f"{fid:x}"] = encode_entry(now, url)
-        self._adopt(entries, skipped)
+        self._adopt(entries, skipped, spills)
         if expired or refresh:
             async with self._client.pipeline(transaction=False) as pipe:
                 if expired:

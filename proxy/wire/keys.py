@@ -19,7 +19,8 @@ Prefix configurable, default `sluice`; `Keys` names each one:
     {p}:svc:{name}:engines        string   EngineView JSON: each READY replica's engine
                                            telemetry (controller writes, TTL; proxies read)
     {p}:svc:{name}:placement      hash     prompt family (hex) -> "at url": where the
-                                           `prefix` policy placed it (proxies HSETNX, TTL)
+                                           `prefix` policy placed it (proxies HSETNX, TTL);
+                                           "s" + family (hex) -> "at url": its spill
     {p}:svc:{name}:placed         channel  placements just made (proxies publish)
     {p}:svc:{name}:events         stream   audit trail
     {p}:control                   channel  nudges to the controller (Nudge JSON or a name)

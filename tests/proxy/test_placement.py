@@ -15,7 +15,7 @@ from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
-from tests.proxy.test_prefix import RDV, URLS, Req, bodies
+from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat
 from tests.proxy.test_prefix import snapshot as prefix_snapshot
 
 CAP = PrefixOptions(placement="capacity")
@@ -176,3 +176,66 @@ def test_placement_options_are_checked() -> None:
         with pytest.raises(ValueError, match=r"prefix\.(placement|replica_families)"):
             PrefixOptions(**bad)  # type: ignore[arg-type]
     assert PrefixRouting(placement="rendezvous").placement == "rendezvous"
+
+
+def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)  # ttl 300: a secondary lives 75 s
+    body = bodies(1, seed=71)[0]
+    home = ready.choose(None, Req(body))
+    assert home is not None
+    fid = family_of(ready, body)
+    home.inflight = 6
+    spill = ready.choose(None, Req(body))
+    assert spill is not None and spill is not home
+    assert table.spill_outbox == [(fid, spill.url, False)]  # a first spill: first writer wins
+    home.inflight = spill.inflight = 6
+    third = ready.choose(None, Req(body))
+    assert third is not None and third not in (home, spill)
+    assert table.spill_outbox[1:] == [(fid, third.url, True)]  # a move: overwrites
+    fam = table.families[fid]
+    fourth = next(r for r in ready.replicas if r not in (home, spill, third))
+    skipped = table.adopt_spills([
+        (fid, "http://evil:1", 999.0),  # not in the set: counted
+        (fid, fourth.url, 1e12),  # from the future: counted
+        (fid, fourth.url, 900.0),  # older than a secondary lives
+        (fid, home.url, 999.0),  # the family's own primary
+        (12345, fourth.url, 999.0),  # a family not placed here
+    ])
+    assert skipped == 2 and fam.secondary is third and 12345 not in table.families
+    assert table.adopt_spills([(fid, fourth.url, 990.0)]) == 0
+    assert fam.secondary is fourth and fam.secondary_used == 1000.0  # used here since
+    # The shared secondary left the set: dropped, and an entry naming it is not followed.
+    ready.apply(snapshot(2, *[r.url for r in ready.replicas if r is not fourth],
+                         options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    assert fam.secondary is None
+    assert table.adopt_spills([(fid, fourth.url, 999.0)]) == 1 and fam.secondary is None
+
+
+def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    system = "System prompt 81. " + LONG
+    home = ready.choose(None, Req(chat(system, "q")))
+    assert home is not None and table.turn_outbox == []  # at home: nothing to tell
+    home.inflight = 6
+    turn = chat(system, "A question long enough to fill blocks of its own. " * 12)
+    spill = ready.choose(None, Req(turn))
+    assert spill is not None and spill is not home
+    key = policy.key_of(Req(turn))  # type: ignore[attr-defined]
+    assert table.turn_outbox == [(key[-2], spill.url)]
+    lru = policy._lru  # type: ignore[attr-defined]
+    other = next(r for r in ready.replicas if r not in (home, spill))
+    skipped = policy.learn([  # type: ignore[attr-defined]
+        (key[-2], other.url, 999.0),  # known here: first writer wins
+        (77, other.url, 999.0),
+        (78, other.url, 900.0),  # older than a secondary lives (75 s)
+        (79, "http://evil:1", 999.0),
+    ])
+    assert skipped == 1
+    assert lru[key[-2]] is spill and lru[77] is other and 78 not in lru and 79 not in lru

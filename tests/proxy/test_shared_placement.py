@@ -2,7 +2,11 @@
 redis-server: two proxies (each a real RedisSource, ReadySet and `prefix` policy, in
 this process) converge on one replica per family, whoever placed it; a race of two
 placements ends on one; hostile entries in the hash or on the channel are skipped,
-counted and deleted; Redis gone, routing goes on with the last view."""
+counted and deleted; Redis gone, routing goes on with the last view. A family's
+secondary (its spill replica) likewise: one proxy's spill is where the other spills,
+a race of two spills ends on one, a moved overflow is followed, hostile or stale
+secondaries and one whose replica left the set are not. A conversation's turn that
+spilled on one proxy is where its next turn goes on the other."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from controlplane.redisserver import EmbeddedRedis
+from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.placement import PlacementTable
@@ -20,7 +25,7 @@ from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
 from proxy.wire.keys import Keys
-from tests.proxy.test_prefix import Req, bodies
+from tests.proxy.test_prefix import LONG, Req, bodies, chat
 from tests.support.builders import registered, replica
 from tests.support.poll import until
 
@@ -111,7 +116,7 @@ async def test_two_proxies_placing_one_family_at_once_converge(two: list[Proxy])
 async def test_hostile_placement_entries_are_skipped_counted_and_deleted(
     two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
-    (_, a, stats), (_, b, _) = two
+    (_, a, stats), (_, b, stats_b) = two
     keys = Keys(redis_prefix)
     key = keys.placement("svc")
     known = a.replicas[0].url
@@ -127,7 +132,9 @@ async def test_hostile_placement_entries_are_skipped_counted_and_deleted(
     # Not a replica of the set: skipped (it only expires: a proxy may lag a set change).
     await redis_client.hset(key, "6", f"{time.time():.3f} http://evil.example:1")
     await redis_client.publish(keys.placed("svc"), b"5 nan " + known.encode() + b"\n\x00\x01")
-    await until(lambda: stats.placements_skipped >= len(hostile) + 2,
+    # Whichever proxy scans first counts and deletes an entry, both count the channel's.
+    await until(lambda: stats.placements_skipped + stats_b.placements_skipped
+                >= len(hostile) + 1 + 2 * 2,
                 what="the hostile entries to be counted")  # fmt: skip
     fams = table(a).families
     assert not {1, 2, 3, 4, 5, 6} & set(fams)
@@ -168,3 +175,218 @@ async def test_redis_gone_keeps_routing_on_the_last_view(
     finally:
         await source.aclose()
         ready_set.close()
+
+
+# -- secondaries (a family's spill replica), shared through the same hash and channel --
+
+
+def secondary_url(ready_set: ReadySet, fid: int) -> str | None:
+    fam = table(ready_set).families.get(fid)
+    return None if fam is None or fam.secondary is None else fam.secondary.url
+
+
+async def placed_on_both(a: ReadySet, b: ReadySet, body: bytes) -> tuple[int, str]:
+    """The family of `body` placed by `a`, learnt and routed by `b`: (family, primary URL)."""
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    fid = family(a, body)
+    await until(lambda: primary_url(b, fid) == chosen.url, what="b to learn a's placement")
+    # b routes it there too (its longest-prefix memory learns the family at home, as
+    # from a family's first requests): what follows is about spilling only.
+    assert b.choose(None, Req(body)) is not None
+    return fid, chosen.url
+
+
+async def test_a_spill_one_proxy_chose_is_where_the_other_spills(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=111)[0]
+    fid, home = await placed_on_both(a, b, body)
+    urls = [r.url for r in a.replicas]
+    others = [u for u in urls if u != home]
+    # a: its primary saturated (6 of 6 in flight, bound ceil(2 x 7 / 4) = 4): spills to
+    # the idle replica it sees.
+    set_loads(a, {u: 6 if u == home else 1 for u in urls} | {others[0]: 0})
+    spill = a.choose(None, Req(body))
+    assert spill is not None and spill.url == others[0]
+    await until(lambda: secondary_url(b, fid) == others[0], what="b to learn a's spill")
+    # b: saturated too, and others[0] is busier there than the others: b alone would
+    # spill to others[1]; the shared secondary is within the bound, so b spills there.
+    set_loads(b, {home: 6, others[0]: 2, others[1]: 0, others[2]: 1})
+    assert b.choose(None, Req(body)).url == others[0]  # type: ignore[union-attr]
+
+
+async def test_two_proxies_spilling_one_family_at_once_converge(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=121)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r.url for r in a.replicas if r.url != home]
+    # Each proxy sees another replica idle: each alone spills to another one.
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 1})
+    set_loads(b, {home: 6, others[0]: 1, others[1]: 0, others[2]: 1})
+    first_a, first_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert first_a is not None and first_b is not None
+    assert (first_a.url, first_b.url) == (others[0], others[1])
+    await until(lambda: secondary_url(a, fid) == secondary_url(b, fid),
+                what="both proxies to agree on the spill")  # fmt: skip
+    agreed = secondary_url(a, fid)
+    stored = await redis_client.hget(Keys(redis_prefix).placement("svc"), f"s{fid:x}")
+    assert stored is not None and stored.split(b" ", 1)[1].decode() == agreed  # first writer
+    again_a, again_b = a.choose(None, Req(body)), b.choose(None, Req(body))
+    assert again_a is not None and again_b is not None
+    assert again_a.url == again_b.url == agreed
+
+
+async def test_a_moved_overflow_replaces_the_shared_spill(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=131)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r.url for r in a.replicas if r.url != home]
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 1})
+    assert a.choose(None, Req(body)).url == others[0]  # type: ignore[union-attr]
+    await until(lambda: secondary_url(b, fid) == others[0], what="b to learn the spill")
+    # The spill replica failed this request on a (a retry excludes it), the primary
+    # still saturated: the overflow moves, and b follows the move (HSET, not HSETNX).
+    failed = {r for r in a.replicas if r.url == others[0]}
+    set_loads(a, {home: 6, others[0]: 0, others[1]: 1, others[2]: 0})
+    assert a.choose(failed, Req(body)).url == others[2]  # type: ignore[union-attr]
+    await until(lambda: secondary_url(b, fid) == others[2], what="b to follow the move")
+
+
+async def test_hostile_spill_entries_are_skipped_counted_and_deleted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), (_, b, stats_b) = two
+    body = bodies(1, seed=141)[0]
+    fid, home = await placed_on_both(a, b, body)
+    other = next(r.url for r in a.replicas if r.url != home)
+    keys = Keys(redis_prefix)
+    key = keys.placement("svc")
+    now = time.time()
+    hostile = {
+        "s": f"{now:.3f} {other}",  # no family
+        "szz": f"{now:.3f} {other}",  # not hex
+        "s123456789": f"{now:.3f} {other}",  # more than 8 digits
+        "s-1": f"{now:.3f} {other}",  # a sign
+        "s 1": f"{now:.3f} {other}",  # a space
+        "ss1": f"{now:.3f} {other}",  # twice marked
+        "s7": "9999999999.0 " + other,  # from the future: would never expire
+        "s8": "inf " + other,
+        "s9": "\xff\xfe garbage",
+        "sa": "x" * 5000,
+    }
+    await redis_client.hset(key, mapping=hostile)  # type: ignore[arg-type]
+    # Well-formed but not to be followed: a replica outside the set (skipped, counted,
+    # left to expire), one older than a secondary lives (deleted, not counted), the
+    # family's own primary (ignored).
+    await redis_client.publish(keys.placed("svc"),
+                               f"s{fid:x} {now:.3f} http://evil.example:1".encode())
+    stale = f"{now - 100:.3f} {other}"  # placement_ttl 300: secondaries live 75 s
+    await redis_client.hset(key, f"s{fid:x}", stale)
+    await redis_client.publish(keys.placed("svc"), f"s{fid:x} {now:.3f} {home}\n".encode()
+                               + b"s5 nan " + other.encode() + b"\n\x00\x01")
+    await until(lambda: stats.placements_skipped + stats_b.placements_skipped
+                >= len(hostile) + 2 * 3,  # the hash's by one proxy, the channel's by both
+                what="the hostile entries to be counted")  # fmt: skip
+    await until(lambda: _gone(redis_client, key, {**hostile, f"s{fid:x}": ""}),
+                what="the bad and stale entries deleted")  # fmt: skip
+    assert secondary_url(a, fid) is None and secondary_url(b, fid) is None
+    assert not {7, 8, 9, 10} & set(table(a).families)
+    assert a.choose(None, Req(body)).url == home  # type: ignore[union-attr]
+    # Spilling still works and is still shared.
+    set_loads(a, {u.url: 6 if u.url == home else 0 for u in a.replicas})
+    spill = a.choose(None, Req(body))
+    assert spill is not None and spill.url != home
+    await until(lambda: secondary_url(b, fid) == spill.url, what="b to learn the spill")
+
+
+async def test_a_shared_spill_whose_replica_left_the_set_is_not_followed(
+    store: Store, two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, _), (_, b, stats_b) = two
+    body = bodies(1, seed=151)[0]
+    fid, home = await placed_on_both(a, b, body)
+    others = [r for r in a.replicas if r.url != home]
+    gone = others[0]
+    set_loads(a, {r.url: 6 if r.url == home else (0 if r is gone else 1) for r in a.replicas})
+    assert a.choose(None, Req(body)) is gone
+    await until(lambda: secondary_url(b, fid) == gone.url, what="b to learn the spill")
+    # The spill replica leaves the set; its entry stays in the hash (it only expires).
+    ids = {f"http://127.0.0.1:{20000 + i}": i for i in range(1, 5)}
+    await store.commit("svc", replica_updates=[
+        replica(ids[gone.url], status=ReplicaStatus.NOT_READY)])
+    await until(lambda: len(a.replicas) == len(b.replicas) == 3, what="the set to shrink")
+    assert secondary_url(a, fid) is None and secondary_url(b, fid) is None
+    seen = stats_b.placements_skipped
+    await redis_client.publish(Keys(redis_prefix).placed("svc"),
+                               f"s{fid:x} {time.time():.3f} {gone.url}".encode())
+    await until(lambda: stats_b.placements_skipped > seen, what="the message to be skipped")
+    assert secondary_url(b, fid) is None
+    for ready_set in (a, b):
+        set_loads(ready_set, {home: 6})
+        spill = ready_set.choose(None, Req(body))
+        assert spill is not None and spill.url not in (home, gone.url)
+
+
+# -- spilled turns: a conversation's next turn follows its spill on any proxy -------------
+
+
+def conversation(seed: int) -> tuple[bytes, bytes, bytes]:
+    """(another conversation of the family, a turn, the conversation's next turn)."""
+    system = f"System prompt {seed}. " + LONG
+    question = "A question long enough to fill several blocks of the key. " * 12
+    return (chat(system, "Something else entirely. " * 12), chat(system, question),
+            chat(system, question, "An answer. " * 20, "A follow-up?"))
+
+
+async def test_the_next_turn_follows_a_turn_that_spilled_on_another_proxy(
+    two: list[Proxy],
+) -> None:
+    (_, a, _), (_, b, _) = two
+    other, turn, after = conversation(161)
+    _, home = await placed_on_both(a, b, other)
+    set_loads(a, {r.url: 6 if r.url == home else 0 for r in a.replicas})
+    spill = a.choose(None, Req(turn))
+    assert spill is not None and spill.url != home
+    # b never saw this conversation: by its family alone it goes home (no load on b);
+    # once a's announcement arrives, its next turn follows its history to the spill.
+    assert b.choose(None, Req(after.replace(b"A question", b"B question"))).url == home  # type: ignore[union-attr]
+    policy = b.policy
+    block = policy.key_of(Req(turn))[-2]  # type: ignore[attr-defined]
+    await until(lambda: block in policy._lru, what="b to learn the spilled turn")  # type: ignore[attr-defined]
+    assert b.choose(None, Req(after)).url == spill.url  # type: ignore[union-attr]
+
+
+async def test_hostile_spilled_turns_are_skipped_and_counted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), (_, _, stats_b) = two
+    other, turn, _ = conversation(171)
+    _, home = await placed_on_both(a, a, other)
+    block = a.policy.key_of(Req(turn))[-2]  # type: ignore[attr-defined]
+    keys = Keys(redis_prefix)
+    now = time.time()
+    lines = [
+        f"t {now:.3f} {home}",  # no block
+        f"tzz {now:.3f} {home}",  # not hex
+        f"t123456789 {now:.3f} {home}",  # more than 8 digits
+        f"t{block:x} nan {home}",
+        f"t{block:x} {now:.3f} http://evil.example:1",  # not a replica of the set
+        f"t{block:x} 9999999999.0 {home}",  # from the future
+    ]
+    await redis_client.publish(keys.placed("svc"), "\n".join(lines).encode())
+    # Spilled turns are never stored: one in the hash is deleted by the scan.
+    await redis_client.hset(keys.placement("svc"), f"t{block:x}", f"{now:.3f} {home}")
+    await until(lambda: stats.placements_skipped + stats_b.placements_skipped
+                >= 2 * len(lines) + 1,
+                what="the hostile turns to be counted")  # fmt: skip
+    await until(lambda: _gone(redis_client, keys.placement("svc"), {f"t{block:x}": ""}),
+                what="the stored turn deleted")  # fmt: skip
+    assert block not in a.policy._lru  # type: ignore[attr-defined]
+    # Stale (older than a secondary lives): not learnt, not counted.
+    seen = stats.placements_skipped
+    await redis_client.publish(keys.placed("svc"), f"t{block:x} {now - 100:.3f} {home}\n"
+                               "zz 1.0 x".encode())  # fmt: skip
+    await until(lambda: stats.placements_skipped == seen + 1, what="the message handled")
+    assert block not in a.policy._lru  # type: ignore[attr-defined]
