@@ -35,8 +35,9 @@ from proxy.stopping import RECANCEL
 # The lease's lines are the controller's: operators filter on one logger name.
 log = logging.getLogger("sluice.controller")
 
-#: Seconds after which a run loop that has not ended since it was cancelled is logged.
-STOP_SLOW = 5.0
+#: Seconds a cancelled run loop has to end before it is logged and cancelled again (more
+#: than the 5 s its own clean-up may take: Controller.run's STOP_WITHIN).
+STOP_SLOW = 6.0
 
 # KEYS[1]: the lease key. ARGV[1]: the holder id, ARGV[2]: the TTL in milliseconds.
 # Take the lease if it is free, extend it if ARGV[1] holds it; 1 if ARGV[1] holds it now.
@@ -199,15 +200,17 @@ async def _stop(lease: Lease, runner: asyncio.Task[None]) -> None:
     No bound: the next lead must not begin beside it. asyncio.wait, not `await runner`:
     a cancellation of *this* task propagates (or SIGTERM would turn into "lost the
     lease" and the controller would lead again)."""
-    loop = asyncio.get_running_loop()
-    said_at: float | None = loop.time() + STOP_SLOW
+    runner.cancel()
+    # First its own clean-up's time (it stops its helpers within 5 s): a second cancel
+    # would cut that short.
+    await asyncio.wait({runner}, timeout=STOP_SLOW)
+    if runner.done():
+        return
+    log.warning("controller %s: its run loop is still running %.0fs after it was "
+                "cancelled; cancelling again until it ends", lease.holder, STOP_SLOW)
     while not runner.done():
         runner.cancel()
         await asyncio.wait({runner}, timeout=RECANCEL)
-        if said_at is not None and loop.time() >= said_at and not runner.done():
-            log.warning("controller %s: its run loop is still running %.0fs after it was "
-                        "cancelled; cancelling again until it ends", lease.holder, STOP_SLOW)
-            said_at = None
 
 
 async def _renew_while_running(lease: Lease, runner: asyncio.Task[None]) -> None:

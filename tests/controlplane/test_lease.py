@@ -141,7 +141,7 @@ async def test_lead_steps_down_even_when_the_run_swallows_a_cancel(
     task = asyncio.create_task(lease.lead(recording.lease("a", 1.5), run))
     await asyncio.wait_for(run.started.wait(), 10)
     await redis_client.set(recording.keys.leader, "b")  # a successor took it over
-    done, _ = await asyncio.wait({task}, timeout=10)
+    done, _ = await asyncio.wait({task}, timeout=lease.STOP_SLOW + 15)
     assert task in done, "lead still waits for a run that swallowed its cancel"
     task.result()  # returned: stepped down
     assert run.swallowed == 1
