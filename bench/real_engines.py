@@ -20,17 +20,21 @@ the stable figure on a noisy machine; compare routers on it, not on TTFT), hit r
 (their cached / (cached + computed) prompt tokens), and load spread (max / mean of the
 requests each server served, from its ``tokens_predicted_total``).
 
-Targets: ``round_robin``, ``least_load``, ``prefix`` (sluice-proxy), ``sglang`` (the
-sglang-router 0.3.2 ``cache_aware`` policy) and ``smg`` (the SGLang gateway's
+Targets: ``round_robin``, ``least_load``, ``prefix`` (sluice-proxy; ``prefix_x2`` and
+``prefix_x4`` are 2 and 4 proxies on a real redis-server, each turn of a session through
+the next proxy; ``prefix_hash`` the rendezvous placement), ``sglang`` (the sglang-router
+0.3.2 ``cache_aware`` policy), ``smg`` (the SGLang gateway's ``cache_aware``; ``smg_nop``
+with ``--disable-worker-overload-protection``) and ``vllm`` (vllm-router's
 ``cache_aware``), the peers from venvs of their own:
 
     python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang-router==0.3.2
     python3 -m venv .venv-smg && .venv-smg/bin/pip install smg==1.13.0
+    python3 -m venv .venv-vllmr && .venv-vllmr/bin/pip install vllm-router==0.1.17
 
-found by ``--sglang-python`` / ``$SLUICE_BENCH_SGLANG_PYTHON`` (default:
-``.venv-sglang/bin/python``, then ``bench/.venv-sglang/bin/python``) and ``--smg`` /
-``$SLUICE_BENCH_SMG`` (default ``.venv-smg/bin/smg``); a missing peer is skipped with
-one line.
+found by ``--sglang-python`` / ``$SLUICE_BENCH_SGLANG_PYTHON``, ``--smg`` /
+``$SLUICE_BENCH_SMG`` and ``--vllm-router`` / ``$SLUICE_BENCH_VLLM_ROUTER`` (default:
+the venv above in the working directory, then under ``bench/``); a missing peer is
+skipped with one line. ``--sluice-args`` adds flags to every sluice proxy.
 
     python bench/real_engines.py                         # 5 targets, 1 seed, ~2.5 min
     python bench/real_engines.py --seeds 3 --json out.json
@@ -48,6 +52,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -69,14 +74,20 @@ from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
 
-TARGETS = ("round_robin", "least_load", "prefix", "prefix_hash", "sglang", "smg")
+TARGETS = ("round_robin", "least_load", "prefix", "prefix_x2", "prefix_x4", "prefix_hash",
+           "sglang", "smg", "smg_nop", "vllm")
+PEERS = ("sglang", "smg", "smg_nop", "vllm")  # the routers that are not sluice
 LABELS = {
     "round_robin": "sluice `round_robin`",
     "least_load": "sluice `least_load`",
     "prefix": "sluice `prefix`",
+    "prefix_x2": "sluice `prefix`, 2 proxies on Redis",
+    "prefix_x4": "sluice `prefix`, 4 proxies on Redis",
     "prefix_hash": "sluice `prefix`, placement: rendezvous",
     "sglang": "sglang-router 0.3.2 `cache_aware`",
     "smg": "smg 1.13.0 `cache_aware`",
+    "smg_nop": "smg 1.13.0 `cache_aware`, --disable-worker-overload-protection",
+    "vllm": "vllm-router 0.1.17 `cache_aware`",
 }
 WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda sigma omega "
          "policy refund order account billing invoice shipping return warranty "
@@ -214,7 +225,11 @@ def peer_paths(args: argparse.Namespace) -> dict[str, Path]:
     return {
         "sglang": first(args.sglang_python, os.environ.get("SLUICE_BENCH_SGLANG_PYTHON"),
                         REPO / ".venv-sglang/bin/python", REPO / "bench/.venv-sglang/bin/python"),
-        "smg": first(args.smg, os.environ.get("SLUICE_BENCH_SMG"), REPO / ".venv-smg/bin/smg"),
+        "smg": first(args.smg, os.environ.get("SLUICE_BENCH_SMG"), REPO / ".venv-smg/bin/smg",
+                     REPO / "bench/.venv-smg/bin/smg"),
+        "vllm": first(args.vllm_router, os.environ.get("SLUICE_BENCH_VLLM_ROUTER"),
+                      REPO / ".venv-vllmr/bin/vllm-router",
+                      REPO / "bench/.venv-vllmr/bin/vllm-router"),
     }  # fmt: skip
 
 
@@ -227,13 +242,15 @@ def _answers(port: int, path: str) -> bool:
 @contextlib.contextmanager
 def router(target: str, urls: list[str], log_dir: Path,
            peers: dict[str, Path], slots: int = 0, n_proxies: int = 1,
-           ) -> Iterator[str | list[str]]:  # fmt: skip
+           sluice_args: tuple[str, ...] = ()) -> Iterator[str | list[str]]:  # fmt: skip
     """The target's router in front of `urls`; yields its URL once it routes to all.
 
     sluice's `prefix` is told the servers' `slots` (what the engine view would say with
     a controller; this bench runs no controller). With `n_proxies` > 1, sluice runs that
     many proxies on a real redis-server (the replicas registered as a service, so the
     proxies share their placement) and yields their URLs."""
+    if target in ("prefix_x2", "prefix_x4"):
+        target, n_proxies = "prefix", int(target[-1])
     if target in ("round_robin", "least_load", "prefix", "prefix_hash"):
         proxies = ProxyFactory(log_dir)
         extra: list[str] = []
@@ -241,6 +258,7 @@ def router(target: str, urls: list[str], log_dir: Path,
             extra = ["--prefix-placement", "capacity", "--prefix-replica-families", str(slots)]
         elif target == "prefix_hash":
             target, extra = "prefix", ["--prefix-placement", "rendezvous"]
+        extra += sluice_args
         server = None
         try:
             if n_proxies <= 1:
@@ -265,8 +283,15 @@ def router(target: str, urls: list[str], log_dir: Path,
               "--worker-urls", *urls, "--prometheus-port", str(free_port()),
               "--prometheus-host", HOST, "--log-level", "warn", "--disable-retries",
               "--disable-circuit-breaker", "--request-timeout-secs", "120"]  # fmt: skip
-    argv = ([str(peers["sglang"]), "-m", "sglang_router.launch_router", *common]
-            if target == "sglang" else [str(peers["smg"]), "launch", *common])  # fmt: skip
+    if target == "sglang":
+        argv = [str(peers["sglang"]), "-m", "sglang_router.launch_router", *common]
+    elif target == "vllm":
+        argv = [str(peers["vllm"]), *common]
+        argv[argv.index("warn")] = "warning"
+    else:
+        argv = [str(peers["smg"]), "launch", *common]
+        if target == "smg_nop":
+            argv.append("--disable-worker-overload-protection")
     proc = Process(argv, log_dir / f"{target}-{port}.log", {"HF_HUB_OFFLINE": "1"})
     try:
         until_sync(lambda: proc._check_running(target) or _answers(port, "/health"),
@@ -322,7 +347,8 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
         servers = factory(args.servers, slots=args.slots, threads=args.threads,
                           cache_ram=0, ctx=args.slots * args.slot_ctx)  # fmt: skip
         with router(target, [s.url for s in servers], log_dir, peers, args.slots,
-                    args.proxies if target in ("prefix", "prefix_hash") else 1) as url:
+                    args.proxies if target in ("prefix", "prefix_hash") else 1,
+                    tuple(shlex.split(args.sluice_args))) as url:
             # One tiny request per server's worth, so a router's lazy setup is not timed;
             # its few tokens are subtracted (the counters are read after it).
             warm = asyncio.run(drive(url, ["warm up"], [Arrival(0.0, 0, ("hi",), ())],
@@ -389,7 +415,8 @@ def table(cells: list[Cell]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"from {','.join(TARGETS)}")
+    p.add_argument("--targets", default="round_robin,least_load,prefix,sglang,smg",
+                   help=f"from {','.join(TARGETS)}")
     p.add_argument("--seeds", type=int, default=1, help="seeds 1..N per target")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="slots (-np) per server")
@@ -409,6 +436,9 @@ def main() -> int:
                    help="sluice prefix targets: this many proxies on a real redis-server")
     p.add_argument("--sglang-python", help="python of a venv with sglang-router")
     p.add_argument("--smg", help="the smg executable")
+    p.add_argument("--vllm-router", help="the vllm-router executable")
+    p.add_argument("--sluice-args", default="",
+                   help="extra sluice-proxy flags, e.g. '--prefix-epsilon 2'")
     p.add_argument("--json", type=Path, help="write every cell here")
     p.add_argument("--keep-logs", type=Path, help="keep every process's log under this dir")
     args = p.parse_args()
@@ -422,9 +452,10 @@ def main() -> int:
     for t in targets:
         if t not in TARGETS:
             p.error(f"unknown target {t!r}")
-    for name in ("sglang", "smg"):
-        if name in targets and not peers[name].exists():
-            print(f"{name} skipped: {peers[name]} not found (see the docstring)")
+    for name in PEERS:
+        path = peers["smg" if name == "smg_nop" else name]
+        if name in targets and not path.exists():
+            print(f"{name} skipped: {path} not found (see the docstring)")
             targets.remove(name)
     llama.model_path()  # written once, before anything is timed
     cells: list[Cell] = []
