@@ -418,6 +418,8 @@ def main() -> int:
     p.add_argument("--targets", default="round_robin,least_load,prefix,sglang,smg",
                    help=f"from {','.join(TARGETS)}")
     p.add_argument("--seeds", type=int, default=1, help="seeds 1..N per target")
+    p.add_argument("--first-seed", type=int, default=1,
+                   help="start there: seeds K..K+N-1 (more seeds of an earlier run)")
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--slots", type=int, default=2, help="slots (-np) per server")
     p.add_argument("--slot-ctx", type=int, default=2048, help="tokens per slot")
@@ -462,7 +464,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         tmp = args.keep_logs or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="sluice-real-engines-"))  # fmt: skip
-        for seed in range(1, args.seeds + 1):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for target in targets:
                 log_dir = Path(tmp) / f"{target}-{seed}"
                 log_dir.mkdir(parents=True)

@@ -174,6 +174,11 @@ class _ProxyCommand(click.Command):
               help="least_load, p2c and prefix also count the requests waiting in each "
                    "replica's engine, as the controller scrapes them (Redis source only; "
                    "docs/engines.md).")
+@click.option("--fleet-load/--no-fleet-load", default=DEFAULTS.fleet_load, show_default=True,
+              help="prefix policy: a known family's load bound also counts the requests "
+                   "the other proxies have in flight, as they wrote them at their last "
+                   "flush, up to a second old (Redis source only; docs/routing.md: helps "
+                   "several proxies on long requests, hurts on sub-second ones).")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
@@ -257,7 +262,8 @@ def proxy_command(
     prefix_epsilon: float | None, prefix_session_header: str | None,
     prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, prefix_placement: str | None,
-    prefix_replica_families: int | None, engine_load: bool, pool_size: int, pool_grace: float,
+    prefix_replica_families: int | None, engine_load: bool, fleet_load: bool,
+    pool_size: int, pool_grace: float,
     upstream_idle_timeout: float, retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
     stream_idle_timeout: float, resume_streams: bool | None, resume_attempts: int,
@@ -292,6 +298,7 @@ def proxy_command(
         sync_interval=sync_interval, sync_timeout=sync_timeout, quick_resync=quick_resync,
         sync_relay=sync_relay, policy=policy, target_qps=_target_qps(target_qps),
         prefix_options=_prefix_options(prefix_flags), engine_load=engine_load,
+        fleet_load=fleet_load,
         pool_size=pool_size, pool_grace=pool_grace,
         upstream_idle_timeout=upstream_idle_timeout, retry_deadline=retry_deadline,
         max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,

@@ -32,6 +32,9 @@ class ProxyConfig:
     target_qps: dict[str, float] = field(default_factory=dict)
     prefix_options: PrefixOptions | None = None  # None: the snapshot's (or the defaults)
     engine_load: bool = False  # least_load/p2c/prefix also count the engines' queues (Redis source)
+    # prefix: a known family's load bound also counts the other proxies' in-flight
+    # requests, as they wrote them at their last flush (Redis source).
+    fleet_load: bool = False
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

@@ -159,6 +159,7 @@ class ReplicaView(Protocol):
     target_qps: float | None
     inflight: int  # requests holding this replica now
     engine_queue: int  # requests waiting in its engine (0 unless --engine-load)
+    peer_inflight: int  # the other proxies' in flight there (0 unless --fleet-load)
     left_at: float | None  # when it left the ready set; None while in it
     pool: ConnectionPool | None
     path: bytes  # prefixed to every request path sent to it

@@ -8,11 +8,13 @@ of 8 families on one server, whose slots then evicted each other. This table
 decides instead, for a family it does not know:
 
 1. among the replicas not excluded and still in the set, those within the
-   load bound (the caller's: the mean in flight for a new family);
+   load bound (the caller's: the mean in flight for a new family, on this proxy's
+   own counts; for a known family's overflow, `fleet`, the load counts the other
+   proxies' in-flight requests too);
 2. of these, one with free cache capacity (families placed there < its
    capacity: llama.cpp's slots from the engine view, else the KV capacity in
    tokens over the key window's tokens, else the configured default);
-3. then the lowest load (in flight + engine queue), then the fewest families
+3. then the lowest load (this proxy's in flight + engine queue), then the fewest families
    for its capacity; the family's rendezvous order breaks the remaining ties
    (so proxies with the same view decide the same).
 
@@ -199,7 +201,8 @@ class PlacementTable:
     # -- on the request path --------------------------------------------------------------
 
     def place(self, order: Sequence[ReplicaView], exclude: set[ReplicaView] | None,
-              bound: int, skip: ReplicaView | None = None) -> ReplicaView | None:
+              bound: int, skip: ReplicaView | None = None, *,
+              fleet: bool = False) -> ReplicaView | None:
         """The best replica for a family (see the module docstring); None: nobody."""
         placed = self.placed
         capacity = self.capacity
@@ -211,8 +214,11 @@ class PlacementTable:
         for r in order:
             if r is skip or r.left_at is not None or (exclude is not None and r in exclude):
                 continue
+            # `fleet`: over the bound on the fleet's load (the other proxies' counts, up to
+            # a second old, included). Ordered on this proxy's own live counts: every proxy
+            # preferring the replica the others' last counts showed idle would herd there.
             load = r.inflight + r.engine_queue
-            over = load >= bound
+            over = (load + r.peer_inflight if fleet else load) >= bound
             n = placed.get(r, 0)
             cap = capacity.get(r, default)
             full = n >= cap

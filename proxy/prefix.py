@@ -25,7 +25,10 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   computed once per snapshot, on first use; a request does one list index.
 - **Bounded load**: walking that order, a replica already holding
   ceil((1 + epsilon) x (in flight + 1) / replicas) requests is skipped
-  (consistent hashing with bounded loads); hot prefixes spill to their second
+  (consistent hashing with bounded loads; with --fleet-load, for a known prefix,
+  in flight through every proxy: the Redis source sets the other proxies' counts,
+  `peer_inflight`, once a second; a new prefix is judged on this proxy's own live
+  counts, see `_capacity`); hot prefixes spill to their second
   choice, and keep spilling to where they spilled before while it has room
   (so a hot prefix is cached on two replicas, not on all). A prefix this
   proxy never routed may not take a replica above the mean in flight (so
@@ -294,7 +297,7 @@ class PrefixPolicy:
                 if fam is not None and fam.moved_from is hit:
                     break  # another proxy placed the family first: follow it there
             lru.move_to_end(key[d])  # refresh: most recent last
-            load = hit.inflight + hit.engine_queue
+            load = hit.inflight + hit.peer_inflight + hit.engine_queue
             if load:
                 capacity = self._capacity(factor)
                 if load >= capacity:
@@ -314,7 +317,7 @@ class PrefixPolicy:
         full = key[d]
         alt = self._spilled.get(full)
         if (alt is not None and alt.left_at is None
-                and alt.inflight + alt.engine_queue < capacity
+                and alt.inflight + alt.peer_inflight + alt.engine_queue < capacity
                 and (exclude is None or alt not in exclude)):
             return self._routed_known(key, d, alt, SPILL)
         return self._choose_agreed(key, exclude, self._load_factor, capacity, full)
@@ -341,12 +344,15 @@ class PrefixPolicy:
         agreed: ReplicaView | None = None  # the first choice not excluded
         chosen: ReplicaView | None = None
         reason = AFFINITY
+        fleet = factor != 1.0
         for r in self.order_for(key[0] & (SLOTS - 1)):
             if exclude is not None and r in exclude:
                 continue
             if agreed is None:
                 agreed = r
             load = r.inflight + r.engine_queue
+            if fleet:
+                load += r.peer_inflight
             if load:
                 if capacity < 0:
                     capacity = self._capacity(factor)
@@ -396,7 +402,7 @@ class PrefixPolicy:
             for r in (fam.primary, fam.secondary):
                 if r is None or r.left_at is not None or (exclude is not None and r in exclude):
                     continue
-                load = r.inflight + r.engine_queue
+                load = r.inflight + r.peer_inflight + r.engine_queue
                 if load:
                     if capacity < 0:
                         capacity = self._capacity(factor)
@@ -414,7 +420,8 @@ class PrefixPolicy:
             if capacity < 0:
                 capacity = self._capacity(factor)
             chosen = table.place(self.order_for(fid & (SLOTS - 1)), exclude, capacity,
-                                 fam.primary if fam is not None else None)
+                                 fam.primary if fam is not None else None,
+                                 fleet=factor != 1.0)
             if chosen is None:
                 return self._fall_back(exclude)
             if fam is None:
@@ -471,14 +478,22 @@ class PrefixPolicy:
         unshared traffic spreads about as evenly as least_load; else ceil((1 + epsilon)
         x the mean counting this request), as in consistent hashing with bounded loads.
         A replica's load is its in-flight requests plus, with --engine-load, the requests
-        waiting in its engine (what the other proxies sent it).
+        waiting in its engine; for a known prefix also the other proxies' in flight at
+        their last flush (`peer_inflight`: 0 unless --fleet-load). Without those each of N proxies
+        judges its own 1/N share: about 2 requests each where one proxy would see 8, and
+        the rounded-up bound spills a family's second request to a cold replica. A new
+        prefix stays on this proxy's own live counts: with the others' (up to a second
+        old) in its bound and order, every proxy would send unshared traffic to the
+        replica that looked idle a second ago (measured: bench/README.md).
         """
         total = 0
-        for r in self._replicas:
-            total += r.inflight + r.engine_queue
         n = len(self._replicas)
         if factor == 1.0:
+            for r in self._replicas:
+                total += r.inflight + r.engine_queue
             return total // n + 1
+        for r in self._replicas:
+            total += r.inflight + r.peer_inflight + r.engine_queue
         return math.ceil(factor * (total + 1) / n)
 
     def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:

@@ -75,6 +75,7 @@ class Replica:
         "inflight",
         "left_at",
         "path",
+        "peer_inflight",
         "pool",
         "port",
         "target_qps",
@@ -109,6 +110,9 @@ class Replica:
         # Set off the request path (proxy/sources/redis.py); policies may read it.
         self.engine: EngineStats | None = None
         self.engine_queue = 0  # its `waiting`, with --engine-load; least_load/p2c add it
+        # Requests the other proxies had in flight here at their last flush (--fleet-load,
+        # proxy/sources/redis.py; else 0); the prefix policy's load bound adds it.
+        self.peer_inflight = 0
 
     def refresh(self, info: ReadyReplica) -> None:
         self.id = info.id

@@ -30,7 +30,12 @@ expire with the rps key when no proxy writes any more; readers prune entries
 whose heartbeat is stale. The same round trip GETs `{prefix}:svc:{name}:engines`, the
 engines' own telemetry the controller scrapes (proxy/wire/engines.py), parsed leniently
 and set on each replica (`Replica.engine`; None when the key is gone: no controller,
-or it stopped scraping); `/metrics` re-exports it. When a request is held because the
+or it stopped scraping); `/metrics` re-exports it. With `--fleet-load` it also HGETALLs
+the in-flight hash and sets on each replica the requests the *other* proxies had in
+flight there at their last flush (`Replica.peer_inflight`; entries older than
+`PEER_FRESH` seconds, malformed or beyond `MAX_PEERS` are skipped): the `prefix`
+policy's bound for a known family counts them, so with N proxies it judges the fleet's
+load, not its own 1/N share. When a request is held because the
 set is empty, it publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
@@ -78,6 +83,12 @@ log = logging.getLogger("sluice.proxy.redis")
 
 _ENCODER = msgspec.json.Encoder()
 _RECENT_APPLIES = 32
+_INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
+# Another proxy's in-flight entry counts while it is at most this old (seconds); a proxy
+# that stopped leaves its field behind until the hash expires.
+PEER_FRESH = 3.0
+MAX_PEERS = 1024  # in-flight entries read per flush (the rest are skipped)
+MAX_PEER_INFLIGHT = 1 << 20  # a replica's peer count is clamped here
 
 
 class RedisSource:
@@ -119,9 +130,12 @@ class RedisSource:
         self._proxies_key = keys.proxies(config.service)
         self._engines_key = keys.engines(config.service)
         self._engines_warned = False
+        self._peers_warned = False
         self._engine_load = config.engine_load
+        self._fleet_load = config.fleet_load
         self._control = keys.control
         self._proxy_id = config.proxy_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._proxy_id_bytes = self._proxy_id.encode()
         self._routed = RoutedTally()  # the heartbeat's routing-reason totals
         self._nudge = encode_nudge(Nudge(service=config.service, reason="demand"))
         # The safety-net re-GET shares the sync interval of the other sources (5 s).
@@ -354,6 +368,7 @@ class RedisSource:
                 # The engine view cannot be refreshed either: routing must not keep
                 # counting queues that are gone (the replicas are unknown until Redis is back).
                 self._apply_engines(None)
+                self._apply_peers(None, 0.0)
             else:
                 self._flush_failing = False
 
@@ -372,12 +387,25 @@ class RedisSource:
             pipe.expire(self._inflight_key, self._rps_ttl)
             pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
             pipe.expire(self._proxies_key, self._rps_ttl)
+            if self._fleet_load:
+                pipe.hgetall(self._inflight_key)
             pipe.get(self._engines_key)
             results = await pipe.execute(raise_on_error=False)
-        for result in results[:-1]:
+        reads = 2 if self._fleet_load else 1
+        for result in results[:-reads]:
             if isinstance(result, Exception):
                 raise result  # a counter write failed: keep the count for the next flush
         self._flushed = total
+        if self._fleet_load:
+            peers = results[-2]
+            if isinstance(peers, Exception):  # an ACL without HGETALL on it (docs/redis.md)
+                if not self._peers_warned:
+                    log.warning("service %s: cannot read the other proxies' in-flight "
+                                "counts (--fleet-load: the prefix policy bounds load on "
+                                "this proxy's own): %s", self._service, _describe(peers))
+                    self._peers_warned = True
+                peers = None
+            self._apply_peers(peers, now)
         engines = results[-1]
         if isinstance(engines, Exception):  # e.g. an ACL user without GET on the view
             if not self._engines_warned:
@@ -408,6 +436,37 @@ class RedisSource:
             record = replica.engine = records.get(url)
             waiting = record.waiting if record is not None and engine_load else None
             replica.engine_queue = int(waiting) if waiting else 0
+
+    def _apply_peers(self, raw: object, now: float) -> None:
+        """Set each known replica's `peer_inflight`: the fresh in-flight counts of the
+        other proxies' entries in `raw` (the HGETALL; None: unknown, all 0)."""
+        assert self._ready_set is not None
+        sums: dict[str, int] = {}
+        bad = 0
+        if isinstance(raw, dict):
+            own = self._proxy_id_bytes
+            cut = now - PEER_FRESH
+            for n, (proxy, value) in enumerate(raw.items()):
+                if n >= MAX_PEERS:
+                    bad += len(raw) - n
+                    break
+                if proxy == own:
+                    continue
+                try:
+                    entry = _INFLIGHT_DECODER.decode(value)
+                except (msgspec.ValidationError, msgspec.DecodeError, TypeError):
+                    bad += 1
+                    continue
+                if not cut <= entry.at <= now + PEER_FRESH:
+                    continue  # a proxy that stopped, or a clock far ahead
+                for url, count in entry.replicas.items():
+                    sums[url] = sums.get(url, 0) + count
+        if bad and not self._peers_warned:
+            log.warning("service %s: %d in-flight entries of other proxies skipped "
+                        "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
+            self._peers_warned = True
+        for url, replica in self._ready_set.known.items():
+            replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
 
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None

@@ -207,7 +207,8 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
             raise AssertionError(f"{exc}\n{proxy.output()}") from None
     finally:
         await admin.aclose()
-    for trouble in ("NOPERM", "flush failed", "nudge failed", "shared placement", "Traceback"):
+    for trouble in ("NOPERM", "flush failed", "nudge failed", "shared placement",
+                    "in-flight counts", "Traceback"):
         assert trouble not in proxy.output(), proxy.output()
     assert "PROXY_PASSWORD" not in " ".join(proxy.argv) and PROXY_PASSWORD not in proxy.output()
 
@@ -215,6 +216,7 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
     try:
         assert as_proxy.get("sluice:svc:llm:snapshot") is not None
         as_proxy.get("sluice:svc:llm:engines")  # the engine view: readable, not writable
+        as_proxy.hgetall("sluice:svc:llm:inflight")  # the other proxies' counts (prefix)
         as_proxy.publish("sluice:control", json.dumps({"service": "llm", "reason": "demand"}))
         # The prefix policy's shared placement: the hash and its channel.
         as_proxy.hsetnx("sluice:svc:llm:placement", "ab", f"1.0 {replica.url}")
@@ -237,6 +239,7 @@ async def test_proxy_acl_user_serves_and_reports_but_cannot_change_the_fleet(
             ("HINCRBY", "sluice:svc:other:rps", "1", "1"),
             ("HSET", "sluice:svc:llm:rps", "1", "9" * 401),  # counts are HINCRBY-only
             ("HINCRBY", "sluice:svc:llm:inflight", "p", "1"),
+            ("HGETALL", "sluice:svc:other:inflight"),
             ("HSETNX", "sluice:svc:other:placement", "ab", "1.0 http://x"),
             ("PUBLISH", "sluice:svc:other:placed", ""),
             ("DEL", "sluice:svc:llm:placement"),

@@ -89,6 +89,7 @@ class Fake:
     accelerator: str | None = None
     target_qps: float | None = None
     engine_queue: int = 0
+    peer_inflight: int = 0
 
 
 def fakes(*loads: int) -> list[Fake]:
