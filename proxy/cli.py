@@ -177,8 +177,9 @@ class _ProxyCommand(click.Command):
 @click.option("--fleet-load/--no-fleet-load", default=DEFAULTS.fleet_load, show_default=True,
               help="prefix policy: a known family's load bound also counts the requests "
                    "the other proxies have in flight, as they wrote them at their last "
-                   "flush, up to a second old (Redis source only; docs/routing.md: helps "
-                   "several proxies on long requests, hurts on sub-second ones).")
+                   "flush, up to a second old (Redis source only). Measured in "
+                   "docs/routing.md: it helped several proxies on a simulated vLLM fleet "
+                   "and hurt on llama.cpp servers with 2 slots; measure before using it.")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
