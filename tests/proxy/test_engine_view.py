@@ -5,6 +5,7 @@ touches serving (a real redis-server, a real RedisSource and ReadySet)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -122,23 +123,29 @@ async def test_redis_gone_makes_every_replica_unknown(
     redis_factory: Callable[..., EmbeddedRedis], redis_prefix: str
 ) -> None:
     """A view that cannot be refreshed is not routed on: when the flush fails, the
-    records (and the engine queues policies add) are cleared."""
+    records (and the engine queues policies add) are cleared, and so are the other
+    proxies' in-flight counts (--fleet-load): the proxy judges its own."""
     server = redis_factory()
     async with Store.from_url(server.url, prefix=redis_prefix) as store:
         await registered(store, spec=b"{}")
         snap = await store.commit("svc", replica_updates=[replica(1)])
         await store.telemetry.write_engines({"svc": EngineView(replicas={
             "1": EngineStats(url=snap.replicas[0].url, waiting=9)})}, ttl=30)  # fmt: skip
+    async with aioredis.from_url(server.url) as client:  # another proxy's entry
+        await client.hset(Keys(redis_prefix).inflight("svc"), "peer:1", msgspec.json.encode(
+            {"at": time.time(), "replicas": {snap.replicas[0].url: 6}}))  # fmt: skip
     config = ProxyConfig(redis_url=server.url, service="svc", redis_prefix=redis_prefix,
-                         engine_load=True)  # fmt: skip
+                         engine_load=True, fleet_load=True)  # fmt: skip
     ready_set = ReadySet()
     source = RedisSource(config, Stats(), flush_interval=0.05, backoff_max=0.1)
     await source.start(ready_set)
     try:
         (only,) = ready_set.replicas
-        await until(lambda: only.engine_queue == 9, what="the queue to be counted")
+        await until(lambda: only.engine_queue == 9 and only.peer_inflight == 6,
+                    what="the queue and the peer's count to be counted")  # fmt: skip
         server.kill()
-        await until(lambda: only.engine is None and only.engine_queue == 0,
+        await until(lambda: only.engine is None and only.engine_queue == 0
+                    and only.peer_inflight == 0,
                     what="the records to clear once the flush fails")  # fmt: skip
         assert ready_set.replicas == (only,)  # serving goes on
     finally:
