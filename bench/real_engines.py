@@ -281,13 +281,13 @@ def router(target: str, urls: list[str], log_dir: Path,
     port = free_port()
     common = ["--host", HOST, "--port", str(port), "--policy", "cache_aware",
               "--worker-urls", *urls, "--prometheus-port", str(free_port()),
-              "--prometheus-host", HOST, "--log-level", "warn", "--disable-retries",
+              "--prometheus-host", HOST,
+              "--log-level", "warning" if target == "vllm" else "warn", "--disable-retries",
               "--disable-circuit-breaker", "--request-timeout-secs", "120"]  # fmt: skip
     if target == "sglang":
         argv = [str(peers["sglang"]), "-m", "sglang_router.launch_router", *common]
     elif target == "vllm":
         argv = [str(peers["vllm"]), *common]
-        argv[argv.index("warn")] = "warning"
     else:
         argv = [str(peers["smg"]), "launch", *common]
         if target == "smg_nop":
