@@ -28,12 +28,23 @@ SHUTTING_DOWN):
 
 Which proxies count (`DrainWatch.live`): every proxy id found in either hash whose
 report (heartbeat `seen_at`, entry `at`) changed within `STALE_SECONDS` of the
-controller's clock. A proxy that died, or cannot reach Redis, stops changing its
-report and stops holding drains after `STALE_SECONDS` (its clients' connections are
-gone or unreachable anyway). Freshness is judged by change, not by comparing the
-proxy's timestamps with the controller's clock, so a proxy with a skewed clock is
-neither dropped early nor kept forever; a report first seen counts as a change
-(a controller that just took over waits `STALE_SECONDS` for a dead proxy's leftovers).
+controller's clock. Freshness is judged by change, not by comparing the proxy's
+timestamps with the controller's clock, so a proxy with a skewed clock is neither
+dropped early nor kept forever; a report first seen counts as a change, and so does
+every report after the controller could not look for longer than `STALE_SECONDS`
+(Redis down, the controller stalled: a report cannot be seen changing then).
+
+A report that stopped changing is a proxy that died, lost Redis, or is stalled: the
+three look alike from here, and only the first has no clients. A live proxy's
+flushes were seen to stop for 7.5 s on a busy 2-core VM (its process runnable, not
+run), with a stream in flight on a draining replica; stopping the replica after
+`STALE_SECONDS` cut that stream. So a stale proxy whose last report shows requests on
+the replica keeps holding it (`DrainWatch.holding`) until its report has not changed
+for `HOLD_SECONDS`, within the drain bound; one whose last report shows nothing there
+holds nothing once stale (from its next apply on it routes nothing new there, and a
+request it sends to a stopped replica fails to connect and is retried elsewhere).
+A proxy that died with requests on a draining replica costs that replica
+`HOLD_SECONDS` more of running, no more.
 A proxy that never reported (started less than a flush ago, still on an older
 snapshot) is covered by `SETTLE_SECONDS`: no replica is stopped sooner than that after
 it left the set, by which time every proxy that could have routed to it has flushed.
@@ -51,8 +62,12 @@ from dataclasses import dataclass, field
 from controlplane.store import Store
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat
 
-#: A proxy whose report has not changed for this long (controller clock) is gone.
+#: A proxy whose report has not changed for this long (controller clock) is no longer
+#: vouched for: it is clear of nothing, and holds only what its last report named.
 STALE_SECONDS = 5.0
+#: A stale proxy's last report of requests on a replica holds it this long after the
+#: report last changed: longer than a stalled proxy or a Redis failover's gap.
+HOLD_SECONDS = 30.0
 #: No replica is stopped sooner than this after it left the ready set: every proxy
 #: flushes its report every second, including one that had not reported yet.
 SETTLE_SECONDS = 2.0
@@ -121,27 +136,39 @@ class DrainWatch:
     def __init__(self) -> None:
         # service -> proxy id -> (its report's timestamps, when they last changed)
         self._seen: dict[str, dict[str, tuple[tuple[float, float], float]]] = {}
+        # service -> when its reports were last looked at (controller clock)
+        self._looked: dict[str, float] = {}
+        # service -> the stale proxies still holding what their last report named
+        self._holding: dict[str, set[str]] = {}
         # (service, replica id) -> the lowest generation seen while it drained
         self._left_at: dict[tuple[str, int], int] = {}
 
     def live(self, name: str, reports: DrainReports, now: float) -> set[str]:
-        """The proxies of `name` whose report changed within STALE_SECONDS."""
+        """The proxies of `name` whose report changed within STALE_SECONDS (and, kept
+        for `verdict`, the stale ones whose report changed within HOLD_SECONDS)."""
         seen = self._seen.setdefault(name, {})
         ids = reports.heartbeats.keys() | reports.inflight.keys()
         for proxy_id in list(seen):
             if proxy_id not in ids:
                 del seen[proxy_id]
+        looked = self._looked.get(name)
+        self._looked[name] = now
+        blind = looked is None or now - looked > STALE_SECONDS  # could not see changes
         live = set()
+        holding = set()
         for proxy_id in ids:
             beat = reports.heartbeats.get(proxy_id)
             entry = reports.inflight.get(proxy_id)
             stamp = (beat.seen_at if beat else 0.0, entry.at if entry else 0.0)
             last = seen.get(proxy_id)
-            if last is None or last[0] != stamp:
+            if blind or last is None or last[0] != stamp:
                 seen[proxy_id] = (stamp, now)
                 live.add(proxy_id)
             elif now - last[1] <= STALE_SECONDS:
                 live.add(proxy_id)
+            elif now - last[1] <= HOLD_SECONDS:
+                holding.add(proxy_id)
+        self._holding[name] = holding
         return live
 
     def verdict(
@@ -159,6 +186,12 @@ class DrainWatch:
             total += count
             if holds:
                 holders.append(proxy_id)
+        for proxy_id in sorted(self._holding.get(name, set()) - live):
+            entry = reports.inflight.get(proxy_id)
+            count = max(0, entry.replicas.get(url, 0)) if entry is not None else 0
+            if count:  # stale, but its last report has requests here: it may be stalled
+                total += count
+                holders.append(proxy_id)
         return DrainVerdict(not holders, total, tuple(holders))
 
     def done(self, name: str, replica_id: int) -> None:
@@ -167,5 +200,7 @@ class DrainWatch:
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)
+        self._looked.pop(name, None)
+        self._holding.pop(name, None)
         for key in [k for k in self._left_at if k[0] == name]:
             del self._left_at[key]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import redis.asyncio as aioredis
 from controlplane import display, ops
 from controlplane.reconcile import ControllerConfig
 from controlplane.reconcile.drain import (
+    HOLD_SECONDS,
     STALE_SECONDS,
     DrainReports,
     DrainWatch,
@@ -74,18 +77,67 @@ def test_a_proxy_that_joined_after_the_replica_left_holds_nothing() -> None:
     assert proxy_holds(URL, 5, beat(7, 50.0, (7, 50.0)), entry(50.5)) == (False, 0)
 
 
+def looked(watch: DrainWatch, reports: DrainReports, since: float, until: float) -> set[str]:
+    """The live set at `until`, the controller having looked every 0.5 s from `since`
+    (a draining replica is looked at that often)."""
+    t = since
+    live = watch.live("svc", reports, now=t)
+    while t < until:
+        t = min(until, t + 0.5)
+        live = watch.live("svc", reports, now=t)
+    return live
+
+
 def test_a_report_that_stops_changing_stops_counting() -> None:
     watch = DrainWatch()
     reports = DrainReports(5, {"p": beat(4, 1.0)}, {"p": entry(1.0, n=1)})
     assert watch.live("svc", reports, now=100.0) == {"p"}  # first seen: live
-    assert watch.live("svc", reports, now=100.0 + STALE_SECONDS) == {"p"}
-    assert watch.live("svc", reports, now=100.1 + STALE_SECONDS) == set()  # unchanged: dead
+    assert looked(watch, reports, 100.0, 100.0 + STALE_SECONDS) == {"p"}
+    assert looked(watch, reports, 100.0 + STALE_SECONDS, 100.1 + STALE_SECONDS) == set()
     fresh = DrainReports(5, {"p": beat(4, 2.0)}, {"p": entry(2.0, n=1)})
-    assert watch.live("svc", fresh, now=200.0) == {"p"}  # changed again: live
+    assert looked(watch, fresh, 105.5, 106.0) == {"p"}  # changed again: live
     # A proxy whose clock is far off (its times in the future) is judged by change too.
     skewed = DrainReports(5, {"q": beat(5, 1e12)}, {"q": entry(1e12, n=1)})
-    assert watch.live("svc", skewed, now=300.0) == {"q"}
-    assert watch.live("svc", skewed, now=301.0 + STALE_SECONDS) == set()
+    assert looked(watch, skewed, 106.5, 107.0) == {"q"}
+    assert looked(watch, skewed, 107.0, 107.1 + STALE_SECONDS) == set()
+
+
+def test_a_stale_proxy_holds_what_its_last_report_had_in_flight_for_the_hold() -> None:
+    # A live proxy whose flushes stopped (its process runnable, not run, for 7.5 s on a
+    # busy 2-core VM) with a stream on the draining replica: stopping the replica after
+    # STALE_SECONDS cut the stream.
+    watch = DrainWatch()
+    streaming = DrainReports(5, {"p": beat(5, 10.0, (5, 10.0))}, {"p": entry(11.0, n=1)})
+    live = looked(watch, streaming, 100.0, 101.0 + STALE_SECONDS)
+    assert live == set()  # stale...
+    verdict = watch.verdict("svc", 1, URL, streaming, live)
+    assert not verdict.idle and verdict.holders == ("p",) and verdict.inflight == 1
+    live = looked(watch, streaming, 101.0 + STALE_SECONDS, 100.0 + HOLD_SECONDS)
+    assert not watch.verdict("svc", 1, URL, streaming, live).idle  # ...but holding
+    # Past the hold it holds nothing: a dead proxy costs a drain HOLD_SECONDS, no more.
+    live = looked(watch, streaming, 100.0 + HOLD_SECONDS, 100.5 + HOLD_SECONDS)
+    assert watch.verdict("svc", 1, URL, streaming, live).idle
+
+    # A stale report with nothing on the replica holds nothing once stale, even from an
+    # older generation (a request it sends there later fails to connect, and is retried).
+    clear = DrainReports(5, {"q": beat(4, 1.0)}, {"q": entry(1.0)})
+    other = DrainWatch()
+    assert not other.verdict("svc", 1, URL, clear, looked(other, clear, 100.0, 101.0)).idle
+    live = looked(other, clear, 101.0, 100.5 + STALE_SECONDS)
+    assert live == set() and other.verdict("svc", 1, URL, clear, live).idle
+
+
+def test_a_controller_that_could_not_look_sees_every_report_fresh() -> None:
+    # Redis down (or the controller stalled) for longer than STALE_SECONDS: no report
+    # could be seen changing, so none is judged stale on the first look after; it goes
+    # stale once it has been looked at, unchanged, for STALE_SECONDS.
+    watch = DrainWatch()
+    reports = DrainReports(5, {"p": beat(5, 10.0, (5, 10.0))}, {"p": entry(11.0, n=1)})
+    assert looked(watch, reports, 100.0, 101.0) == {"p"}
+    assert watch.live("svc", reports, now=101.0 + HOLD_SECONDS) == {"p"}  # after a gap
+    start = 101.0 + HOLD_SECONDS
+    assert looked(watch, reports, start, start + STALE_SECONDS) == {"p"}
+    assert looked(watch, reports, start + STALE_SECONDS, start + STALE_SECONDS + 0.5) == set()
 
 
 def test_the_generation_a_replica_left_at_is_the_lowest_seen() -> None:
@@ -212,18 +264,72 @@ async def test_a_dead_proxys_report_does_not_hold_a_drain(
     await ops.up(store, "svc", make_spec(2))
     view = await ready_view(store, "svc", 2)
     before = await pids(store, "svc")
-    # A proxy that died with a request on replica 2, on an old generation: its
-    # report stays in Redis and never changes again.
-    url2 = next(r.url for r in view.replicas if r.id == 2) or ""
+    # A proxy that died on an old generation (it might have routed to replica 2) with a
+    # request on replica 1: its report stays in Redis and never changes again. (One that
+    # died with a request on replica 2 holds it HOLD_SECONDS: test_a_stale_proxy_holds_...)
+    url1 = next(r.url for r in view.replicas if r.id == 1) or ""
     await write_report(redis_client, store, "svc", "dead:1", generation=1, at=time.time(),
-                       url=url2, inflight=1)  # fmt: skip
+                       url=url1, inflight=1)  # fmt: skip
     await ops.update(store, "svc", make_spec(1))
-    await ops.wait_for(store, "svc", lambda v: any(r.inflight == 1 for r in v.replicas), 5)
+    await ops.wait_for(store, "svc", lambda v: any(r.status == "SHUTTING_DOWN"
+                                                   for r in v.replicas), 5)  # fmt: skip
     # Stopped once the report went stale (STALE_SECONDS), long before the 90 s bound.
     await ready_view(store, "svc", 1, timeout=STALE_SECONDS + 10)
     assert not running(before[2])
     (drained,) = await drain_events(store, "svc")
     assert drained["reason"] == "idle"
+
+
+@pytest.mark.slow
+async def test_a_stalled_proxy_keeps_its_stream_on_a_draining_replica(
+    store: Store, redis_url: str, redis_prefix: str, start_controller: StartController,
+    proxy_factory: ProxyFactory,
+) -> None:  # fmt: skip
+    """A real sluice-proxy stopped (SIGSTOP) for longer than STALE_SECONDS while it
+    relays a stream from a replica that drains: its reports stop changing, as when its
+    process was not run for 7.5 s on a busy VM. The stream must still end whole, and
+    the replica stop once it is idle."""
+    await start_controller()
+    await ops.up(store, "svc", make_spec(2))
+    view = await ready_view(store, "svc", 2)
+    replica_urls = [r.url or "" for r in view.replicas]
+    before = await pids(store, "svc")
+    proxy = await proxy_factory.astart(
+        "--redis", redis_url, "--service", "svc", "--redis-prefix", redis_prefix,
+        "--shutdown-grace", "1", wait="ready",
+    )  # fmt: skip
+    events, interval = 60, 0.25  # a 15 s stream on each replica
+
+    async def stream(session: aiohttp.ClientSession) -> tuple[str, int]:
+        async with session.get(f"{proxy.url}/sse?n={events}&interval={interval}") as resp:
+            body = await resp.read()
+            return resp.headers["X-Replica-Id"], body.count(b"data: ")
+
+    async with aiohttp.ClientSession() as session:
+        streams = [asyncio.create_task(stream(session)) for _ in range(2)]
+
+        async def spread() -> bool:
+            return [await replica_inflight(u) for u in replica_urls] == [1, 1]
+
+        await until(spread, timeout=5, what="one stream on each replica")
+        await ops.update(store, "svc", make_spec(1))
+        draining = await ops.wait_for(
+            store, "svc", lambda v: any(r.inflight for r in v.replicas), 5
+        )
+        (leaving,) = [r for r in draining.replicas if r.inflight is not None]
+        os.kill(proxy.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(STALE_SECONDS + 3)  # the stall under test, not a sync
+            assert running(before[leaving.id])  # held: its last report had a stream there
+        finally:
+            os.kill(proxy.pid, signal.SIGCONT)
+        results = await asyncio.gather(*streams)
+
+    assert sorted(results) == [("1", events), ("2", events)]  # both whole
+    await ready_view(store, "svc", 1, timeout=15)
+    assert not running(before[leaving.id])
+    (drained,) = await drain_events(store, "svc")
+    assert drained["reason"] == "idle" and drained["replica"] == str(leaving.id)
 
 
 async def test_the_max_drain_bound_stops_a_held_replica_and_records_the_cut(
