@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -47,10 +48,13 @@ OLD_DRAIN = 5.0  # the fixed drain `sluice run` had before drain-until-idle
 
 
 def service(
-    model: Path, replicas: int, generation: str = "1", *, slots: int = 2, ctx: int = 2048
-) -> dict[str, Any]:
+    model: Path, replicas: int, generation: str = "1", *, slots: int = 2, ctx: int = 2048,
+    gate: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The service YAML (as a dict): `replicas` llama-servers; a new `generation` is a
-    spec change (a rolling update), a new count alone is count-only."""
+    spec change (a rolling update), a new count alone is count-only. `gate`: each
+    replica waits for that file to exist before it starts its engine (within the
+    probe's initial delay), so a test decides when the new version can be READY."""
     probe = {"path": "/health", "initial_delay_seconds": 60, "timeout_seconds": 5,
              "endpoint_probe_interval_seconds": 1}  # fmt: skip
     return {
@@ -58,7 +62,8 @@ def service(
         "service": {"readiness_probe": probe, "replicas": replicas},
         "envs": {**llama.launch_env(), "GENERATION": generation},
         "workdir": str(REPO),
-        "run": llama.run_command(model, slots=slots, ctx=ctx),
+        "run": (f"while [ ! -e {shlex.quote(str(gate))} ]; do sleep 0.1; done; " if gate else "")
+        + llama.run_command(model, slots=slots, ctx=ctx),
     }
 
 
@@ -248,21 +253,26 @@ async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_
     table = await store.replicas("llm")
     old_urls = {str(table[i].url): i for i in (1, 2)}
     v2 = tmp_path / "llm-v2.yaml"
-    v2.write_text(yaml.safe_dump(service(model, 2, generation="2", **LONG)))
-    # The update first, then the long streams at once, while the new engines load (they
-    # cannot be READY yet: launch, model load, a probe): so each old engine leaves
-    # service early in its stream. least_load sends the second to the other old engine
-    # (the first is in flight on one); the short streams start after both.
+    gate = tmp_path / "v2-may-start"
+    v2.write_text(yaml.safe_dump(service(model, 2, generation="2", gate=gate, **LONG)))
+    # The update first, then the long streams at once; the new engines start only once
+    # both stream on the old ones (`gate`): so each old engine leaves service early in
+    # its stream, and least_load sends the second to the other old engine (the first
+    # is in flight on one). Ungated, a new engine could be READY before the second
+    # stream was routed (it loads in a second) or load for as long as the streams
+    # ran (2 busy cores: an old engine left service 4.85 s before its stream ended).
+    # The short streams start once the new engines serve, while the long ones run.
     await sluice_update(redis_url, redis_prefix, v2)
     first = asyncio.create_task(long_stream(url, "long-0"))
     second = asyncio.create_task(long_stream(url, "long-1"))
     servers = [int(u.rsplit(":", 1)[1]) for u in old_urls]
     await until(lambda: all(_processing(p) for p in servers), timeout=30,
                 what="a long stream on each old engine")  # fmt: skip
+    gate.touch()
+    await ready_view(store, "llm", 2, version=2, timeout=240)  # the old ones out of service
     async with Streams(url, clients=2) as streams:
-        await ready_view(store, "llm", 2, version=2, timeout=240)  # the old ones gone
-        (a, a_end), (b, b_end) = await asyncio.gather(first, second)
         await streams.more(2)  # the new engines serve
+        (a, a_end), (b, b_end) = await asyncio.gather(first, second)
 
     assert a.complete(LONG_TOKENS), a
     assert b.complete(LONG_TOKENS), b
