@@ -1,4 +1,5 @@
-"""Routing quality on a simulated vLLM fleet: sluice's policies against sglang-router.
+"""Routing quality on a simulated vLLM fleet: sluice's policies against sglang-router,
+smg and vllm-router.
 
 Starts a fleet of simulated OpenAI-compatible replicas (bench/llm_replica.py:
 modelled prefill/decode time, a 16-token-block prefix cache with LRU eviction,
@@ -616,7 +617,8 @@ async def run_one(target_urls: list[str], workload: str, args: argparse.Namespac
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default=",".join(ALL_TARGETS),
-                    help=f"comma-separated, of {', '.join(ALL_TARGETS)}")
+                    help=f"comma-separated, of {', '.join(TARGETS)} (default: "
+                         f"{', '.join(ALL_TARGETS)})")
     ap.add_argument("--workloads", default=",".join(ALL_WORKLOADS))
     ap.add_argument("--duration", type=float, default=15.0,
                     help="seconds of arrivals per target and workload")
