@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def test_sluice_run_of_the_llm_example_answers_the_openai_client(tmp_path: Path)
     port, log = free_port(), tmp_path / "run.log"
     argv = ["run", str(EXAMPLE), "--state-dir", str(tmp_path / "state"), "--host", HOST,
             "--port", str(port), "--drain-seconds", "0", "--down-timeout", "30"]  # fmt: skip
+    if llama.OVERRIDE in os.environ:  # replicas never see the host's SLUICE_* variables
+        argv += ["--env", llama.OVERRIDE]
     run = spawn_sluice(argv, log)
     servers: list[int] = []
     try:
