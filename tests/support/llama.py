@@ -64,7 +64,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -73,6 +72,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.poll import until_sync
 from tests.support.ports import free_port
 from tests.support.processes import HOST, Process, _Factory, closed_after, http_get
 
@@ -162,28 +162,30 @@ def _serves(path: Path, timeout: float = 60.0) -> str | None:
     port = free_port()
     argv = [str(path), "-m", str(model_path()), "--host", HOST, "--port", str(port),
             "-np", "1", "-c", "256", "-t", "1", "--no-webui"]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **launch_env()})  # fmt: skip
+
+    def healthy() -> bool:
+        with contextlib.suppress(OSError):
+            return http_get(HOST, port, "/health", timeout=1.0)[0] == 200
+        return False
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Process(argv, Path(tmp) / "probe.log", launch_env())
         try:
-            deadline = time.monotonic() + timeout
-            while (code := proc.poll()) is None and time.monotonic() < deadline:
-                with contextlib.suppress(OSError):
-                    if http_get(HOST, port, "/health", timeout=1.0)[0] == 200:
-                        return None
-                time.sleep(0.05)
-        finally:
-            proc.kill()
-            proc.wait()
-        if code is None:
+            until_sync(lambda: not server.alive or healthy(), timeout=timeout,
+                       what="llama-server to answer /health")  # fmt: skip
+        except AssertionError:
             return f"llama-server did not answer /health within {timeout:.0f} s"
+        finally:
+            code = server.returncode  # None: it serves
+            server.stop()
+        if code is None:
+            return None
         if code == -signal.SIGILL:
             return (f"llama-server is killed by SIGILL serving a model: {path} is built "
                     f"for instructions this CPU lacks (the wheel's needs AVX-512); set "
                     f"{OVERRIDE} to a llama-server built for it (bash .ci/llama-server.sh "
                     f"builds one)")  # fmt: skip
-        log.seek(0)
-        last = log.read().decode(errors="replace").strip().splitlines()[-1:] or [f"exit {code}"]
+        last = server.output().strip().splitlines()[-1:] or [f"exit {code}"]
         return f"llama-server exits serving a model: {last[0]}"
 
 
