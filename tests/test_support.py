@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from tests.support.poll import retrying, until, until_sync
-from tests.support.ports import HOST, free_port
+from tests.support.ports import BLOCK, HOST, free_port
 
 
 async def test_until_returns_the_first_truthy_value_of_a_sync_or_async_check() -> None:
@@ -77,3 +77,24 @@ def test_free_ports_are_unlistened_distinct_and_consecutive_when_asked() -> None
     for port in (*ports, first, first + 1, first + 2):
         with socket.socket() as s:
             assert s.connect_ex((HOST, port)) != 0  # nothing listens there
+
+
+def test_each_xdist_worker_hands_out_ports_from_its_own_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers can never both find one port free: worker i of n takes only ports in
+    blocks of BLOCK whose number is i modulo n, and a run of ports never crosses a block."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    seen: dict[str, set[int]] = {}
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        index = int(worker[2:])
+        mine = seen.setdefault(worker, set())
+        for count in (1, 1, 4, BLOCK):
+            first = free_port(count)
+            ports = set(range(first, first + count))
+            assert {p // BLOCK % 3 for p in ports} == {index}
+            mine |= ports
+    assert not (seen["gw0"] & seen["gw1"] or seen["gw1"] & seen["gw2"]
+                or seen["gw0"] & seen["gw2"])
+    with pytest.raises(ValueError, match="count must be"):
+        free_port(BLOCK + 1)

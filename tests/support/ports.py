@@ -4,29 +4,74 @@
 now and that this process has not handed out before (so two fixtures in one test never
 get the same port). A port nothing listens on is also what a test wants for a
 "connection refused" address.
+
+Under pytest-xdist (the README's test command runs the suite in worker processes)
+each worker hands out ports only from its own blocks of `BLOCK` ports (block number
+modulo the worker count): a port one worker found free and is about to listen on is
+never the one another worker finds free a moment later.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import socket
 
 HOST = "127.0.0.1"
+BLOCK = 16  # ports per block; a `count` never spans two blocks
 
 _handed_out: set[int] = set()
 
 
+def _share() -> tuple[int, int]:
+    """(this worker's index, the number of workers); (0, 1) outside pytest-xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        return int(worker[2:]) % int(count), int(count)
+    return 0, 1
+
+
 def free_port(count: int = 1) -> int:
     """A port on 127.0.0.1 (the first of ``count`` consecutive ones) that nothing listens on
-    now and that this process has not handed out before."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port: int = s.getsockname()[1]
-        ports = range(port, port + count)
-        if _handed_out.isdisjoint(ports) and all(_bindable(p) for p in ports[1:]):
-            _handed_out.update(ports)
+    now, that this process has not handed out before and, under pytest-xdist, that lies in
+    this worker's blocks."""
+    if not 1 <= count <= BLOCK:
+        raise ValueError(f"count must be 1..{BLOCK}, got {count}")
+    index, workers = _share()
+    for _ in range(2000):
+        if workers > 1:
+            # A random place in one of this worker's blocks of the ephemeral range (not
+            # bind(0): Linux hands those out odd-numbered only).
+            block = random.randrange(*_BLOCKS)
+            block += (index - block) % workers
+            port = block * BLOCK + random.randrange(BLOCK - count + 1)
+            candidates = range(port, port + count)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((HOST, 0))
+                port = s.getsockname()[1]
+            candidates = range(port + 1, port + count)
+        if _handed_out.isdisjoint(range(port, port + count)) and all(
+                _bindable(p) for p in candidates):
+            _handed_out.update(range(port, port + count))
             return port
     raise RuntimeError("no free port found")
+
+
+def _ephemeral_blocks() -> tuple[int, int]:
+    """The blocks inside the kernel's ephemeral port range (bind(0)'s), with room for a
+    worker's offset at the top."""
+    lo, hi = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        pass
+    return -(-lo // BLOCK), hi // BLOCK - 64
+
+
+_BLOCKS = _ephemeral_blocks()
 
 
 def _bindable(port: int) -> bool:
