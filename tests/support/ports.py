@@ -40,21 +40,14 @@ def free_port(count: int = 1) -> int:
         raise ValueError(f"count must be 1..{BLOCK}, got {count}")
     index, workers = _share()
     for _ in range(2000):
-        if workers > 1:
-            # A random place in one of this worker's blocks of the ephemeral range (not
-            # bind(0): Linux hands those out odd-numbered only).
-            block = random.randrange(*_BLOCKS)
-            block += (index - block) % workers
-            port = block * BLOCK + random.randrange(BLOCK - count + 1)
-            candidates = range(port, port + count)
-        else:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((HOST, 0))
-                port = s.getsockname()[1]
-            candidates = range(port + 1, port + count)
-        if _handed_out.isdisjoint(range(port, port + count)) and all(
-                _bindable(p) for p in candidates):
-            _handed_out.update(range(port, port + count))
+        # A random place in one of this worker's blocks of the ephemeral range (not
+        # bind(0): Linux hands those out odd-numbered only).
+        block = random.randrange(*_BLOCKS)
+        block += (index - block) % workers
+        port = block * BLOCK + random.randrange(BLOCK - count + 1)
+        ports = range(port, port + count)
+        if _handed_out.isdisjoint(ports) and all(_bindable(p) for p in ports):
+            _handed_out.update(ports)
             return port
     raise RuntimeError("no free port found")
 
