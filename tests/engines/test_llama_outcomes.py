@@ -17,6 +17,7 @@ from tests.engines.sse import chat, chat_body, stream_chat
 from tests.engines.test_llama import family
 from tests.support.harness import metric, scrape
 from tests.support.llama import LlamaFactory, timings
+from tests.support.poll import until
 from tests.support.processes import ProxyFactory
 
 
@@ -49,7 +50,18 @@ async def test_repeated_prompts_are_engine_hits_where_the_proxy_predicted_them(
                     assert stream.complete(4), stream
                     row.append(stream.timings.cache_n)
             cache_n.append(row)
+
+    def reports(samples: list[tuple[str, dict[str, str], float]]) -> float:
+        return sum(metric(samples, "sluice_prefix_engine_reports_total", replica=u)
+                   for u in urls)
+
+    async def counted() -> list[tuple[str, dict[str, str], float]] | None:
         samples = await scrape(proxy.admin_url)
+        return samples if reports(samples) >= 9 else None
+
+    # The proxy counts an engine's report as the response ends, which may be just after
+    # the client read its last byte: wait until all 9 are in (or time out, and fail).
+    samples = await until(counted, timeout=10, what="the proxy to count 9 engine reports")
 
     prompt = len(family(0))  # about one token per character
     cold, *warm = cache_n
@@ -61,5 +73,4 @@ async def test_repeated_prompts_are_engine_hits_where_the_proxy_predicted_them(
     reported = sum(metric(samples, "sluice_prefix_engine_cached_tokens_total", replica=u)
                    for u in urls)
     assert reported == sum(map(sum, cache_n))
-    assert sum(metric(samples, "sluice_prefix_engine_reports_total", replica=u)
-               for u in urls) == 9
+    assert reports(samples) == 9
