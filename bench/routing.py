@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -654,6 +655,9 @@ def main() -> int:
                          "rates / K; results reported in modelled seconds): on a busy machine, "
                          "K = 2 halves the CPU the fleet and the client need per second")
     ap.add_argument("--json", help="also write every summary here")
+    ap.add_argument("--requests-json",
+                    help="also write every recorded request here (workload -> target -> "
+                         "rows of sent_at, ttft, e2e, prompt_tokens, cached, replica, error)")
     ap.add_argument("--keep-logs", action="store_true")
     args = ap.parse_args()
     SLUICE_ARGS.extend(shlex.split(args.sluice_args))
@@ -689,6 +693,7 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f}; logs in {log_dir}", flush=True)
     summaries: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
+    recorded: dict[str, dict[str, list[dict[str, object]]]] = {w: {} for w in workloads}
     try:
         ports = ([args.base_port + i for i in range(args.replicas)] if args.base_port
                  else [free_port() for _ in range(args.replicas)])
@@ -718,6 +723,8 @@ def main() -> int:
                     procs.stop(started)
                 s = summarize(results, args.replicas)
                 summaries[workload][name] = s
+                if args.requests_json:
+                    recorded[workload][name] = [dataclasses.asdict(r) for r in results]
                 print(f"  {workload:9s} {name:18s} {s['requests']:5.0f} req "
                       f"{s['errors']:3.0f} err  TTFT mean {s['ttft_mean']:.3f} "
                       f"p99 {s['ttft_p99']:.3f}  hit {100 * s['hit_rate']:.1f} %  "
@@ -740,6 +747,8 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "load": load,
                                                "summaries": summaries}, indent=1))
+    if args.requests_json:
+        Path(args.requests_json).write_text(json.dumps(recorded))
     if not args.keep_logs:
         for f in log_dir.iterdir():
             f.unlink()
