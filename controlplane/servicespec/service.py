@@ -151,7 +151,7 @@ class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     prefix_bytes: Annotated[int, Meta(ge=16, le=1 << 20)] = 16384
     session_header: Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")] = "X-Session-Id"
     user_field: bool = False
-    epsilon: PosFloat = 1.0
+    epsilon: PosFloat = 3.0
     lru_size: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
     placement: Literal["auto", "capacity", "rendezvous"] = "auto"
     replica_families: Annotated[int, Meta(ge=0, le=1 << 16)] = 0

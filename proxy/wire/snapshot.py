@@ -50,7 +50,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     prefix_bytes: int = 16384
     session_header: str = "X-Session-Id"
     user_field: bool = False
-    epsilon: float = 1.0
+    epsilon: float = 3.0
     lru_size: int = 16384
     placement: str = "auto"
     replica_families: int = 0

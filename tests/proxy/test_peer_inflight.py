@@ -141,6 +141,8 @@ async def test_more_entries_than_read_are_skipped_not_summed_without_bound(
 
 
 # -- the policy's side: the bound judges the fleet, not this proxy's share -------------
+# (epsilon 1: at the default 3, (1 + 3) x the mean of 4 replicas is all in flight and no
+# known family spills, whatever the counts)
 
 
 def _known_family(options: PrefixOptions) -> tuple[ReadySet, bytes, Replica]:
@@ -159,7 +161,7 @@ def test_a_family_is_not_spilled_for_this_proxys_small_share(placement: str) -> 
     its own counts the bound is ceil(2 x 2 / 4) = 1, so the family's next request
     would spill to a cold replica. The fleet holds 9 (8 through the other proxies,
     2 of them on that replica): bound ceil(2 x 10 / 4) = 5, load 3: it stays."""
-    ready, body, first = _known_family(PrefixOptions(placement=placement))
+    ready, body, first = _known_family(PrefixOptions(epsilon=1.0, placement=placement))
     first.inflight = 1
     for r in ready.replicas:
         r.peer_inflight = 2
@@ -174,7 +176,7 @@ def test_a_replica_the_other_proxies_filled_is_over_the_bound(placement: str) ->
     """This proxy sees the family's replica idle, but the other proxies hold 12 there
     (bound ceil(2 x 13 / 4) = 7): the family spills; the others' requests end, it is
     back."""
-    ready, body, first = _known_family(PrefixOptions(placement=placement))
+    ready, body, first = _known_family(PrefixOptions(epsilon=1.0, placement=placement))
     first.peer_inflight = 12
     moved = ready.choose(None, Req(body))
     assert moved is not None and moved is not first

@@ -216,7 +216,7 @@ def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None
 
 def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
     policy = ready.policy
     table = policy.placement  # type: ignore[attr-defined]
     table.refresh(1000.0)

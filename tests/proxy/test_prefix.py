@@ -322,7 +322,9 @@ def test_no_key_uses_the_fallback_least_load() -> None:
 
 def test_next_turn_follows_the_longest_known_prefix() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
+    # epsilon 1: a bound below the 4 replicas' total (at the default 3, (1 + 3) x the mean
+    # of 4 is everything in flight, and a known family's replica is never skipped).
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0)))
     turn1 = chat(LONG, "First question, long enough to fill a block or two. " * 6)
     first = ready.choose(None, Req(turn1))
     assert first is not None
