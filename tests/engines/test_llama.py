@@ -139,8 +139,19 @@ async def test_a_client_leaving_mid_stream_frees_the_engines_slot(
     assert not partial.done
     predicted = server.metrics()["llamacpp:n_decode_total"]
     assert predicted < 1000, predicted  # the 4,000-token generation was stopped early
-    status, body = proxy.admin_get("/metrics")
-    assert status == 200 and "\nsluice_client_disconnects_total 1.0\n" in body.decode()
+    # Exactly one 499, polled for: failed once in CI under 2 workers with the scrape not
+    # showing it (the body was cut off in the report); the lines say what it did show.
+    def disconnects() -> list[str]:
+        status, body = proxy.admin_get("/metrics")
+        assert status == 200
+        return [line for line in body.decode().splitlines()
+                if line.startswith(("sluice_client_disconnects_total", "sluice_responses_total"))]
+
+    try:
+        await until(lambda: "sluice_client_disconnects_total 1.0" in disconnects(), timeout=10,
+                    what="the proxy to count the client's disconnect")  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {disconnects()}") from None
 
 
 def test_the_openai_client_streams_through_sluice(

@@ -43,7 +43,7 @@ from tests.support.poll import until
 from tests.support.processes import HOST, REPO, ProxyFactory, http_get
 
 TOKENS = 24
-LONG_TOKENS = 3500  # a stream of 10-30 s on one thread (attention grows with the context)
+LONG_TOKENS = 5000  # a stream of 15-45 s on one thread (attention grows with the context)
 OLD_DRAIN = 5.0  # the fixed drain `sluice run` had before drain-until-idle
 
 
