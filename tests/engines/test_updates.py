@@ -9,7 +9,7 @@ Lose nothing: every stream answers 200 with all its tokens, its finish_reason an
 Drain: the controller's default bound (120 s), drain until idle (docs/drain.md): a
 retired replica runs until no proxy has a request in flight on it, then stops. The
 short streams are 24 tokens (well under a second); the long-stream test streams
-``LONG_TOKENS`` tokens on each old engine (10-30 s on one thread, longer than the
+``LONG_TOKENS`` tokens on each old engine (15-45 s on one thread, longer than the
 fixed 5 s drain ``sluice run`` had before) across a rolling update, and proves from
 the service's events that each old engine stopped because it was idle, after its
 stream ended.
@@ -246,9 +246,10 @@ async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_
     llm: tuple[Path, str, dict[int, int]], store: Store, redis_url: str, redis_prefix: str,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    """The default drain bound: a long stream on each old engine outlives the old
-    fixed 5 s drain; none is cut, and each old engine stops because it went idle
-    (a `drain` event with reason idle, not max_drain), after its stream ended."""
+    """The default drain bound: a long stream on each old engine, at least one of them
+    outliving the old fixed 5 s drain after its engine left service; none is cut, and
+    each old engine stops because it went idle (a `drain` event with reason idle, not
+    max_drain), after its stream ended."""
     model, url, old_pids = llm
     table = await store.replicas("llm")
     old_urls = {str(table[i].url): i for i in (1, 2)}
@@ -286,6 +287,7 @@ async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_
 
     events = [e for e in await store.events("llm", 1000) if e.fields.get("replica") in
               ("1", "2")]  # fmt: skip
+    outlived = []
     for replica, stream_end in ended.items():
         mine = [e for e in events if e.fields["replica"] == str(replica)]
         kinds = [(e.kind, e.fields.get("reason")) for e in mine if e.kind in
@@ -294,11 +296,15 @@ async def test_a_rolling_update_waits_for_long_real_streams_then_stops_each_old_
         assert [k for k, _ in kinds] == ["drain", "drain", "terminate"], kinds
         assert kinds[1][1] == "idle", kinds
         retired, idle, stopped = (e for e in mine if e.kind in ("drain", "terminate"))
-        # The stream was in flight when its engine left service, outlived the old fixed
-        # drain (so this run would have cut it before), and ended before the engine
-        # was judged idle and stopped.
-        assert retired.at + OLD_DRAIN < stream_end, (retired, stream_end)
-        assert stream_end <= idle.at <= stopped.at, (stream_end, idle, stopped)
+        # The stream was in flight when its engine left service, and ended before the
+        # engine was judged idle and stopped.
+        assert retired.at < stream_end <= idle.at <= stopped.at, (retired, stream_end, idle)
+        outlived.append(retired.at + OLD_DRAIN < stream_end)
+    # At least one stream outlived the old fixed drain after its engine's retirement (so
+    # the old drain would have cut it). Not both: the update retires the second old engine
+    # once a second new one is READY, and the two busy old engines starve its start on 2
+    # cores (in CI it came 1.9 s, then with longer streams 4.9 s, before that stream ended).
+    assert any(outlived), (ended, events)
 
 
 def _processing(port: int) -> int:
