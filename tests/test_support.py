@@ -96,5 +96,10 @@ def test_each_xdist_worker_hands_out_ports_from_its_own_blocks(
             mine |= ports
     assert not (seen["gw0"] & seen["gw1"] or seen["gw1"] & seen["gw2"]
                 or seen["gw0"] & seen["gw2"])
+    # Outside the kernel's ephemeral range, where outgoing connections take their ports.
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = (int(v) for v in f.read().split())
+    handed = set().union(*seen.values())
+    assert not any(lo <= p <= hi for p in handed), sorted(handed)
     with pytest.raises(ValueError, match="count must be"):
         free_port(BLOCK + 1)

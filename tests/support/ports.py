@@ -8,7 +8,9 @@ get the same port). A port nothing listens on is also what a test wants for a
 Under pytest-xdist (the README's test command runs the suite in worker processes)
 each worker hands out ports only from its own blocks of `BLOCK` ports (block number
 modulo the worker count): a port one worker found free and is about to listen on is
-never the one another worker finds free a moment later.
+never the one another worker finds free a moment later. The blocks lie outside the
+kernel's ephemeral port range, so no outgoing connection takes such a port as its
+local one in between either.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 
 HOST = "127.0.0.1"
 BLOCK = 16  # ports per block; a `count` never spans two blocks
+FLOOR = 10240  # the lowest port handed out (well clear of the registered services' ports)
 
 _handed_out: set[int] = set()
 
@@ -40,8 +43,8 @@ def free_port(count: int = 1) -> int:
         raise ValueError(f"count must be 1..{BLOCK}, got {count}")
     index, workers = _share()
     for _ in range(2000):
-        # A random place in one of this worker's blocks of the ephemeral range (not
-        # bind(0): Linux hands those out odd-numbered only).
+        # A random place in one of this worker's blocks, outside the ephemeral range
+        # (`_blocks`; not bind(0) either: Linux hands those out odd-numbered only).
         block = random.randrange(*_BLOCKS)
         block += (index - block) % workers
         port = block * BLOCK + random.randrange(BLOCK - count + 1)
@@ -52,19 +55,28 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError("no free port found")
 
 
-def _ephemeral_blocks() -> tuple[int, int]:
-    """The blocks inside the kernel's ephemeral port range (bind(0)'s), with room for a
-    worker's offset at the top."""
+def _blocks() -> tuple[int, int]:
+    """The blocks to hand out: below the kernel's ephemeral port range (or above it,
+    whichever holds more), with room for a worker's offset at the top. Never inside it:
+    the kernel gives connect()ing sockets their local ports from that range, and a
+    listener cannot bind a port an outgoing connection holds (seen in CI: "address
+    already in use" for a port found free a moment before). Inside it only when the
+    range leaves fewer than 256 blocks outside."""
     lo, hi = 32768, 60999
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             lo, hi = (int(v) for v in f.read().split())
     except (OSError, ValueError):
         pass
+    below = (-(-FLOOR // BLOCK), lo // BLOCK - 64)
+    above = (-(-(hi + 1) // BLOCK), 65536 // BLOCK - 64)
+    best = max(below, above, key=lambda b: b[1] - b[0])
+    if best[1] - best[0] >= 256:
+        return best
     return -(-lo // BLOCK), hi // BLOCK - 64
 
 
-_BLOCKS = _ephemeral_blocks()
+_BLOCKS = _blocks()
 
 
 def _bindable(port: int) -> bool:
