@@ -144,8 +144,9 @@ class _ProxyCommand(click.Command):
 @click.option("--target-qps", multiple=True, metavar="ACCEL=QPS",
               help="Per-accelerator capacity for instance_aware_least_load (repeatable).")
 @click.option("--prefix-epsilon", type=click.FloatRange(0, min_open=True), default=None,
-              help="prefix policy: bounded load; a replica holding more than (1 + E) x the "
-                   "mean in flight is skipped for the next in rendezvous order. "
+              help="prefix policy: bounded load; a replica holding (1 + E) x the mean in "
+                   "flight takes no more of a known prefix's requests (they spill to a "
+                   "second replica); no bound when 1 + E >= the number of replicas. "
                    f"[default: {PREFIX_DEFAULTS.epsilon:g}]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",
               help="prefix policy: header whose value is the routing key ('' : none). "
