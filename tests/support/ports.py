@@ -21,7 +21,7 @@ import socket
 
 HOST = "127.0.0.1"
 BLOCK = 16  # ports per block; a `count` never spans two blocks
-FLOOR = 10240  # the lowest port handed out (well clear of the registered services' ports)
+FLOOR = 10240  # the lowest port handed out (a port something listens on is skipped)
 
 _handed_out: set[int] = set()
 
