@@ -60,6 +60,7 @@ _PREFIX_FLAGS = {
     "prefix_session_header": "session_header",
     "prefix_user_field": "user_field",
     "prefix_epsilon": "epsilon",
+    "prefix_spill_margin": "spill_margin",
     "prefix_lru_size": "lru_size",
     "prefix_placement": "placement",
     "prefix_replica_families": "replica_families",
@@ -146,8 +147,16 @@ class _ProxyCommand(click.Command):
 @click.option("--prefix-epsilon", type=click.FloatRange(0, min_open=True), default=None,
               help="prefix policy: bounded load; a replica holding (1 + E) x the mean in "
                    "flight takes no more of a known prefix's requests (they spill to a "
-                   "second replica); no bound when 1 + E >= the number of replicas. "
+                   "second replica); no bound when 1 + E >= the number of replicas "
+                   "(--prefix-spill-margin still bounds it). "
                    f"[default: {PREFIX_DEFAULTS.epsilon:g}]")
+@click.option("--prefix-spill-margin", type=click.IntRange(0, 1 << 20), default=None,
+              metavar="N",
+              help="prefix policy: a replica holding N requests more than the mean in "
+                   "flight takes no more of a known prefix's requests either, on any "
+                   "number of replicas (0: no such bound). Counted on this proxy's own "
+                   "requests (with --fleet-load, every proxy's). "
+                   f"[default: {PREFIX_DEFAULTS.spill_margin}]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",
               help="prefix policy: header whose value is the routing key ('' : none). "
                    f"[default: {PREFIX_DEFAULTS.session_header}]")
@@ -261,8 +270,8 @@ def proxy_command(
     sync_interval: float, sync_timeout: float, quick_resync: bool, host: str, port: int,
     admin_host: str, admin_port: int, workers: int, worker_index: int | None,
     sync_relay: str | None, policy: str | None, target_qps: tuple[str, ...],
-    prefix_epsilon: float | None, prefix_session_header: str | None,
-    prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
+    prefix_epsilon: float | None, prefix_spill_margin: int | None,
+    prefix_session_header: str | None, prefix_user_field: bool | None, prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, prefix_placement: str | None,
     prefix_replica_families: int | None, engine_load: bool, fleet_load: bool,
     pool_size: int, pool_grace: float,
@@ -286,7 +295,8 @@ def proxy_command(
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     prefix_flags = {
-        "prefix_epsilon": prefix_epsilon, "prefix_session_header": prefix_session_header,
+        "prefix_epsilon": prefix_epsilon, "prefix_spill_margin": prefix_spill_margin,
+        "prefix_session_header": prefix_session_header,
         "prefix_user_field": prefix_user_field, "prefix_block_bytes": prefix_block_bytes,
         "prefix_bytes": prefix_bytes, "prefix_lru_size": prefix_lru_size,
         "prefix_placement": prefix_placement, "prefix_replica_families": prefix_replica_families,

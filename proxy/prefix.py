@@ -24,8 +24,9 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   set moves only the slots whose winner came or went. A slot's order is
   computed once per snapshot, on first use; a request does one list index.
 - **Bounded load**: walking that order, a replica already holding
-  ceil((1 + epsilon) x (in flight + 1) / replicas) requests is skipped
-  (consistent hashing with bounded loads; with --fleet-load, for a known prefix,
+  ceil((1 + epsilon) x (in flight + 1) / replicas) requests, or `spill_margin`
+  more than that mean (whichever is fewer), is skipped (consistent hashing with
+  bounded loads; with --fleet-load, for a known prefix,
   in flight through every proxy: the Redis source sets the other proxies' counts,
   `peer_inflight`, once a second; a new prefix is judged on this proxy's own live
   counts, see `_capacity`); hot prefixes spill to their second
@@ -181,6 +182,8 @@ class PrefixPolicy:
         self.body_prefix = opts.prefix_bytes
         self._header = opts.session_header.lower().encode("latin-1")
         self._load_factor = 1.0 + opts.epsilon
+        # A known prefix's replica is skipped this far above the mean, whatever epsilon.
+        self._margin = opts.spill_margin or 1 << 30
         self._lru_size = opts.lru_size
         self._fallback = fallback
         self._replicas: tuple[ReplicaView, ...] = ()
@@ -476,7 +479,11 @@ class PrefixPolicy:
 
         factor 1.0 (a prefix never seen): at most the mean in flight, rounded down, so
         unshared traffic spreads about as evenly as least_load; else ceil((1 + epsilon)
-        x the mean counting this request), as in consistent hashing with bounded loads.
+        x the mean counting this request), as in consistent hashing with bounded loads,
+        and at most `spill_margin` requests above that mean: with few replicas (1 +
+        epsilon) x the mean is more than everything in flight, and a family too hot
+        for one replica would queue there while the others idle (measured:
+        bench/README.md, "A margin above the mean").
         A replica's load is its in-flight requests plus, with --engine-load, the requests
         waiting in its engine; for a known prefix also the other proxies' in flight at
         their last flush (`peer_inflight`: 0 unless --fleet-load). Without those each of N proxies
@@ -494,7 +501,8 @@ class PrefixPolicy:
             return total // n + 1
         for r in self._replicas:
             total += r.inflight + r.peer_inflight + r.engine_queue
-        return math.ceil(factor * (total + 1) / n)
+        mean = (total + 1) / n
+        return min(math.ceil(factor * mean), math.ceil(mean) + self._margin)
 
     def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:
         chosen = self._fallback.choose(exclude)

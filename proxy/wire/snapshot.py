@@ -38,6 +38,8 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     `session_header`: a header whose value is the key (empty: none);
     `user_field`: the JSON `user` field is the key when present; `epsilon`: bounded
     load, a replica with more than (1 + epsilon) x the mean in flight is skipped;
+    `spill_margin`: a known prefix's replica is also skipped once it holds this many
+    requests more than the mean in flight (0: no such bound);
     `lru_size`: entries of the per-proxy longest-prefix memory (0: off);
     `placement`: how a new prompt family gets its replica, "capacity" (by load and free
     cache capacity: proxy/placement.py), "rendezvous" (the hash alone) or "auto"
@@ -51,6 +53,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     session_header: str = "X-Session-Id"
     user_field: bool = False
     epsilon: float = 3.0
+    spill_margin: int = 16
     lru_size: int = 16384
     placement: str = "auto"
     replica_families: int = 0
@@ -64,6 +67,8 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"prefix.prefix_bytes must be <= 1048576, got {self.prefix_bytes}")
         if not self.epsilon > 0:
             raise ValueError(f"prefix.epsilon must be > 0, got {self.epsilon}")
+        if not 0 <= self.spill_margin <= 1 << 20:
+            raise ValueError(f"prefix.spill_margin must be 0-1048576, got {self.spill_margin}")
         if self.lru_size < 0:
             raise ValueError(f"prefix.lru_size must be >= 0, got {self.lru_size}")
         if self.placement not in ("auto", "capacity", "rendezvous"):

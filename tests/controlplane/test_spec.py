@@ -876,9 +876,10 @@ def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
     from proxy.wire.snapshot import PrefixOptions
 
     spec = parse_spec(service_with(replicas=2, load_balancing_policy="prefix", sluice={
-        "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True}}))
+        "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True,
+                   "spill_margin": 8}}))
     assert spec.prefix_options == PrefixOptions(epsilon=0.75, session_header="X-Conversation",
-                                                user_field=True)
+                                                user_field=True, spill_margin=8)
     # A Sky Serve YAML has no `sluice:` key: the defaults.
     plain = parse_spec(service_with(replicas=2, load_balancing_policy="prefix"))
     assert plain.prefix_options == PrefixOptions()
@@ -890,6 +891,9 @@ def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
     ("sluice", "path"),
     [
         ({"prefix": {"epsilon": 0}}, "$.service.sluice.prefix.epsilon"),
+        ({"prefix": {"spill_margin": -1}}, "$.service.sluice.prefix.spill_margin"),
+        ({"prefix": {"spill_margin": 1.5}}, "$.service.sluice.prefix.spill_margin"),
+        ({"prefix": {"spill_margin": "16"}}, "$.service.sluice.prefix.spill_margin"),
         ({"prefix": {"bogus": 1}}, "$.service.sluice.prefix.bogus"),
         ({"prefix": {"block_bytes": 4096, "prefix_bytes": 1024}},
          "$.service.sluice.prefix.block_bytes"),

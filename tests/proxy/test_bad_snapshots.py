@@ -74,6 +74,16 @@ def test_apply_rejects_the_whole_snapshot_and_keeps_the_set(case: str) -> None:
     assert str(err.value), case
 
 
+@pytest.mark.parametrize("margin", [-1, 1 << 21, 2.5, "16", None])
+def test_a_bad_spill_margin_is_refused_naming_it(margin: object) -> None:
+    raw = msgspec.json.decode(payload(2, GOOD_URL, []))
+    raw["prefix_options"] = {"spill_margin": margin}
+    with pytest.raises(SnapshotInvalid, match="spill_margin"):
+        decode_snapshot(msgspec.json.encode(raw))
+    raw["prefix_options"] = {"spill_margin": 0}  # 0: no such bound, a valid value
+    assert decode_snapshot(msgspec.json.encode(raw)).prefix_options.spill_margin == 0  # type: ignore[union-attr]
+
+
 def test_good_urls_are_accepted() -> None:
     ready_set = ReadySet()
     urls = ["http://127.0.0.1:8001", "https://[::1]:8443", "http://replica-1.svc.cluster.local",

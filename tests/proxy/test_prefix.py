@@ -466,6 +466,38 @@ def test_a_known_prefix_spills_where_it_spilled_before() -> None:
     assert d.inflight == 0
 
 
+@pytest.mark.parametrize("placement", ["rendezvous", "capacity"])
+def test_a_known_prefix_leaves_a_replica_spill_margin_above_the_mean(placement: str) -> None:
+    # The default epsilon 3 puts no bound on 4 replicas ((1 + 3) x the mean is all that is
+    # in flight): the margin does. Its family's replica alone loaded, holding L requests:
+    # skipped once L >= ceil((L + 1) / 4) + 16, so at 22 (6 + 16), not at 21 (6 + 16 > 21).
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement=placement)))
+    body = bodies(1, seed=31)[0]
+    top = ready.choose(None, Req(body))
+    assert top is not None
+    top.inflight = 21
+    assert ready.choose(None, Req(body)) is top
+    top.inflight = 22
+    spilled = ready.choose(None, Req(body))
+    assert spilled is not None and spilled is not top
+    assert ready.policy.routed[spilled.url][SPILL] == 1  # type: ignore[attr-defined]
+    # With the others loaded the mean rises, and so does the bound: 22 + 3 x 10 in flight,
+    # ceil(53 / 4) + 16 = 30 > 22, the family stays.
+    for r in ready.replicas:
+        if r is not top:
+            r.inflight = 10
+    assert ready.choose(None, Req(body)) is top
+    # spill_margin 0: no such bound; epsilon 3 alone keeps the family at any load.
+    off = ReadySet()
+    off.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement=placement,
+                                                             spill_margin=0)))
+    first = off.choose(None, Req(body))
+    assert first is not None
+    first.inflight = 500
+    assert off.choose(None, Req(body)) is first
+
+
 def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     from click.testing import CliRunner
 
@@ -474,11 +506,15 @@ def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     assert _prefix_options({"prefix_epsilon": None}) is None  # none given: the snapshot's
     assert _prefix_options({"prefix_epsilon": 0.5, "prefix_session_header": ""}) == \
         PrefixOptions(epsilon=0.5, session_header="")
+    assert _prefix_options({"prefix_spill_margin": 0}) == PrefixOptions(spill_margin=0)
     result = CliRunner().invoke(proxy_command, [
         "--replicas", "http://127.0.0.1:1", "--policy", "prefix",
         "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])
     assert result.exit_code == 2
     assert "block_bytes" in result.output and "prefix_bytes" in result.output
+    result = CliRunner().invoke(proxy_command, [
+        "--replicas", "http://127.0.0.1:1", "--policy", "prefix", "--prefix-spill-margin", "-1"])
+    assert result.exit_code == 2 and "--prefix-spill-margin" in result.output
 
 
 async def test_a_body_slower_than_the_route_wait_is_routed_on_what_arrived(
