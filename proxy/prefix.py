@@ -387,9 +387,10 @@ class PrefixPolicy:
 
     def _choose_placed(self, key: tuple[int, ...], exclude: set[ReplicaView] | None,
                        factor: float, capacity: int) -> ReplicaView | None:
-        """Step 2 with placement (proxy/placement.py): the family's primary, else its
-        secondary, within the bound; a family not placed yet (or both saturated) gets
-        the replica with the lowest load and free cache capacity."""
+        """Step 2 with placement (proxy/placement.py): the family's primary within the
+        bound, else its secondary while that is at or below the mean; a family not placed
+        yet (or its overflow past both) gets the replica with the lowest load and free
+        cache capacity."""
         table = self.placement
         assert table is not None
         fid = key[0]
@@ -410,6 +411,16 @@ class PrefixPolicy:
                     if capacity < 0:
                         capacity = self._capacity(factor)
                     if load >= capacity:
+                        reason = SPILL
+                        continue
+                    if (reason == SPILL and r is fam.secondary
+                            and r.inflight + r.engine_queue >= self._capacity(1.0)):
+                        # The primary is over the bound and the secondary above the mean:
+                        # the overflow goes to the least loaded replica (place) instead,
+                        # which becomes the secondary. A secondary allowed
+                        # to fill up to the bound queued the overflow of a family too hot
+                        # for one replica while others idled (bench/README.md, "A margin
+                        # above the mean").
                         reason = SPILL
                         continue
                 chosen = r

@@ -117,6 +117,31 @@ def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
     assert fam.primary is home and fam.secondary is third
 
 
+def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    body = bodies(1, seed=41)[0]
+    home = ready.choose(None, Req(body))
+    assert home is not None
+    home.inflight = 6  # saturated (bound 3, as above)
+    spill = ready.choose(None, Req(body))
+    assert spill is not None and spill is not home
+    fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    others = [r for r in ready.replicas if r not in (home, spill)]
+    # The secondary at the mean (total 8: 8 // 4 + 1 = 3 is "above", 2 is not): kept.
+    home.inflight, spill.inflight = 6, 2
+    assert ready.choose(None, Req(body)) is spill
+    # Above the mean though within the bound (ceil(1.5 x 11 / 4) = 5 > 3): the least
+    # loaded of the others takes the overflow and is the secondary from now on.
+    spill.inflight, others[0].inflight = 3, 1
+    moved = ready.choose(None, Req(body))
+    assert moved is others[1]
+    assert fam.primary is home and fam.secondary is others[1]
+    # The home within its bound again: the family goes home, whatever its secondary.
+    home.inflight = 0
+    assert ready.choose(None, Req(body)) is home
+
+
 def test_a_family_whose_replica_left_moves_and_stays_moved() -> None:
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4]))
