@@ -22,7 +22,8 @@ A known family goes to its primary while that is within the (1 + epsilon)
 bound (and `spill_margin` above the mean: PrefixPolicy._capacity), else to its
 secondary while that is at or below the mean in flight (a hot family spills to
 one more replica only when its own is saturated), else to a new secondary chosen
-as above (the overflow moves to the least loaded). A primary that left the set is replaced (the family moves).
+as above (the overflow moves to the least loaded). A primary that left the set is
+replaced (the family moves).
 Secondaries unused for `ttl / 4` and families unused for `ttl` are dropped by
 `refresh()` (called off the request path, about once a second); the table
 holds at most `max_families` (oldest use first out).
