@@ -182,7 +182,9 @@ class PrefixPolicy:
         self.body_prefix = opts.prefix_bytes
         self._header = opts.session_header.lower().encode("latin-1")
         self._load_factor = 1.0 + opts.epsilon
-        # A known prefix's replica is skipped this far above the mean, whatever epsilon.
+        # A known prefix's replica is skipped this far above the mean, whatever epsilon:
+        # the fleet's margin, split among the proxies sharing it (set_proxies).
+        self._fleet_margin = opts.spill_margin
         self._margin = opts.spill_margin or 1 << 30
         self._lru_size = opts.lru_size
         self._fallback = fallback
@@ -219,6 +221,12 @@ class PrefixPolicy:
             ttl=opts.placement_ttl, max_families=max(64, opts.lru_size // 4))
         table.update(self._replicas)
         self.placement = table
+
+    def set_proxies(self, n: int) -> None:
+        """`n` proxies share the fleet (the Redis source, once a second): each judges its own
+        ~1/n of the requests, so each applies 1/n of `spill_margin` (at least 1)."""
+        if self._fleet_margin:
+            self._margin = max(1, -(-self._fleet_margin // max(1, n)))
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)

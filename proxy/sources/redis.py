@@ -30,12 +30,14 @@ expire with the rps key when no proxy writes any more; readers prune entries
 whose heartbeat is stale. The same round trip GETs `{prefix}:svc:{name}:engines`, the
 engines' own telemetry the controller scrapes (proxy/wire/engines.py), parsed leniently
 and set on each replica (`Replica.engine`; None when the key is gone: no controller,
-or it stopped scraping); `/metrics` re-exports it. With `--fleet-load` it also HGETALLs
-the in-flight hash and sets on each replica the requests the *other* proxies had in
-flight there at their last flush (`Replica.peer_inflight`; entries older than
-`PEER_FRESH` seconds, malformed or beyond `MAX_PEERS` are skipped): the `prefix`
-policy's bound for a known family counts them, so with N proxies it judges the fleet's
-load, not its own 1/N share. When a request is held because the
+or it stopped scraping); `/metrics` re-exports it. It also HGETALLs the in-flight hash
+(entries older than `PEER_FRESH` seconds, malformed or beyond `MAX_PEERS` are skipped):
+the number of other proxies with a fresh entry tells the `prefix` policy how many share
+the fleet (`set_proxies`: each applies its share of `spill_margin`). With `--fleet-load`
+it also sets on each replica the requests the *other* proxies had in flight there at
+their last flush (`Replica.peer_inflight`): the `prefix` policy's bound for a known
+family counts them, so with N proxies it judges the fleet's load, not its own 1/N
+share. When a request is held because the
 set is empty, it publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
@@ -387,25 +389,22 @@ class RedisSource:
             pipe.expire(self._inflight_key, self._rps_ttl)
             pipe.hset(self._proxies_key, self._proxy_id, self._heartbeat_payload(now))
             pipe.expire(self._proxies_key, self._rps_ttl)
-            if self._fleet_load:
-                pipe.hgetall(self._inflight_key)
+            pipe.hgetall(self._inflight_key)
             pipe.get(self._engines_key)
             results = await pipe.execute(raise_on_error=False)
-        reads = 2 if self._fleet_load else 1
-        for result in results[:-reads]:
+        for result in results[:-2]:
             if isinstance(result, Exception):
                 raise result  # a counter write failed: keep the count for the next flush
         self._flushed = total
-        if self._fleet_load:
-            peers = results[-2]
-            if isinstance(peers, Exception):  # an ACL without HGETALL on it (docs/redis.md)
-                if not self._peers_warned:
-                    log.warning("service %s: cannot read the other proxies' in-flight "
-                                "counts (--fleet-load: the prefix policy bounds load on "
-                                "this proxy's own): %s", self._service, _describe(peers))
-                    self._peers_warned = True
-                peers = None
-            self._apply_peers(peers, now)
+        peers = results[-2]
+        if isinstance(peers, Exception):  # an ACL without HGETALL on it (docs/redis.md)
+            if not self._peers_warned:
+                log.warning("service %s: cannot read the other proxies' in-flight "
+                            "counts (the prefix policy judges load as if this proxy "
+                            "were the only one): %s", self._service, _describe(peers))
+                self._peers_warned = True
+            peers = None
+        self._apply_peers(peers, now)
         engines = results[-1]
         if isinstance(engines, Exception):  # e.g. an ACL user without GET on the view
             if not self._engines_warned:
@@ -438,11 +437,14 @@ class RedisSource:
             replica.engine_queue = int(waiting) if waiting else 0
 
     def _apply_peers(self, raw: object, now: float) -> None:
-        """Set each known replica's `peer_inflight`: the fresh in-flight counts of the
-        other proxies' entries in `raw` (the HGETALL; None: unknown, all 0)."""
+        """From the other proxies' fresh entries in `raw` (the HGETALL; None: unknown):
+        tell the policy how many proxies share the fleet (`set_proxies`: the prefix
+        policy's spill margin is the fleet's, split among them) and, with --fleet-load,
+        set each known replica's `peer_inflight` to their in-flight counts (else 0)."""
         assert self._ready_set is not None
         sums: dict[str, int] = {}
         bad = 0
+        fresh = 0
         if isinstance(raw, dict):
             own = self._proxy_id_bytes
             cut = now - PEER_FRESH
@@ -459,12 +461,18 @@ class RedisSource:
                     continue
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
+                fresh += 1
                 for url, count in entry.replicas.items():
                     sums[url] = sums.get(url, 0) + count
         if bad and not self._peers_warned:
             log.warning("service %s: %d in-flight entries of other proxies skipped "
                         "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
             self._peers_warned = True
+        set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
+        if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
+            set_proxies(1 if self._fleet_load else 1 + fresh)
+        if not self._fleet_load:
+            sums = {}
         for url, replica in self._ready_set.known.items():
             replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
 

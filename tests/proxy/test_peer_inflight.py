@@ -29,12 +29,12 @@ OWN = "this-proxy:1"
 
 
 async def _follow(store: Store, redis_url: str, redis_prefix: str, *,
-                  fleet_load: bool) -> tuple[RedisSource, ReadySet]:
+                  fleet_load: bool, policy: str | None = None) -> tuple[RedisSource, ReadySet]:
     await registered(store, spec=b"{}")
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
     config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix,
                          proxy_id=OWN, fleet_load=fleet_load)  # fmt: skip
-    ready_set = ReadySet()
+    ready_set = ReadySet(policy_override=policy)
     source = RedisSource(config, Stats(), flush_interval=0.05)
     await source.start(ready_set)
     return source, ready_set
@@ -75,7 +75,7 @@ async def test_the_other_proxies_counts_are_summed_per_replica(
     await until(lambda: peers(ready_set) == {1: 3, 2: 1}, what="peer-b's entry gone")
 
 
-async def test_without_fleet_load_the_other_proxies_counts_are_not_read(
+async def test_without_fleet_load_the_other_proxies_counts_are_not_counted(
     store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
 ) -> None:
     source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load=False)
@@ -98,6 +98,48 @@ async def test_without_fleet_load_the_other_proxies_counts_are_not_read(
         only.inflight = 0
         await source.aclose()
         ready_set.close()
+
+
+@pytest.mark.parametrize("fleet_load", [False, True])
+async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
+    store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str,
+    fleet_load: bool,
+) -> None:
+    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load=fleet_load,
+                                      policy="prefix")
+    key = Keys(redis_prefix).inflight("svc")
+    url = ready_set.replicas[0].url
+
+    def margin() -> int:
+        return ready_set.policy._margin  # type: ignore[attr-defined, no-any-return]
+
+    try:
+        assert margin() == 16  # alone
+        await redis_client.hset(key, mapping={
+            "peer-a:1": entry({url: 1}), "peer-b:2": entry({url: 1}),
+            "peer-c:3": entry({url: 1}, at=time.time() - PEER_FRESH - 60),  # stopped
+            "peer-d:4": b"not json"})  # fmt: skip
+        # 3 proxies: ceil(16 / 3) = 6 each. With --fleet-load the loads are the fleet's:
+        # the whole margin.
+        want = 16 if fleet_load else 6
+        await until(lambda: margin() == want, what=f"margin {want}")
+        await redis_client.hdel(key, "peer-a:1", "peer-b:2")
+        await until(lambda: margin() == 16, what="alone again")
+    finally:
+        await source.aclose()
+        ready_set.close()
+
+
+def test_a_margin_split_among_many_proxies_is_at_least_one() -> None:
+    ready = ReadySet(policy_override="prefix")
+    ready.apply(snapshot(1, *URLS[:4]))
+    policy = ready.policy
+    policy.set_proxies(MAX_PEERS + 1)  # type: ignore[attr-defined]
+    assert policy._margin == 1  # type: ignore[attr-defined]
+    off = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(spill_margin=0))
+    off.apply(snapshot(1, *URLS[:4]))
+    off.policy.set_proxies(4)  # type: ignore[attr-defined]
+    assert off.policy._margin == 1 << 30  # type: ignore[attr-defined]  # still no margin
 
 
 @pytest.mark.parametrize("bad", [
