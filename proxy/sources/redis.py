@@ -462,8 +462,9 @@ class RedisSource:
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
                 fresh += 1
-                for url, count in entry.replicas.items():
-                    sums[url] = sums.get(url, 0) + count
+                if self._fleet_load:
+                    for url, count in entry.replicas.items():
+                        sums[url] = sums.get(url, 0) + count
         if bad and not self._peers_warned:
             log.warning("service %s: %d in-flight entries of other proxies skipped "
                         "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
@@ -471,10 +472,9 @@ class RedisSource:
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)
-        if not self._fleet_load:
-            sums = {}
-        for url, replica in self._ready_set.known.items():
-            replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
+        if self._fleet_load:  # else every peer_inflight stays 0
+            for url, replica in self._ready_set.known.items():
+                replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
 
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None

@@ -10,9 +10,10 @@ import collections
 import pytest
 
 from controlplane.servicespec.service import PrefixRouting
-from proxy.placement import PlacementTable
+from proxy.placement import Family, PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import ReadySet
+from proxy.replica import Replica
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
 from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat
@@ -92,16 +93,24 @@ def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
     assert a is not None and b is not None and a is not b
 
 
-def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
+def spilled_family(seed: int = 41) -> tuple[ReadySet, bytes, Replica, Replica, Family]:
+    """4 replicas at epsilon 0.5; a family placed, then its home saturated (in flight 6
+    of 6 over 4: bound ceil(1.5 x 7 / 4) = 3) and its next request spilled: (ready set,
+    body, home, spill replica, the family's entry)."""
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
-    body = bodies(1, seed=41)[0]
+    body = bodies(1, seed=seed)[0]
     home = ready.choose(None, Req(body))
-    assert home is not None
-    home.inflight = 6  # total 6 over 4: bound ceil(1.5 x 7 / 4) = 3: saturated
+    assert isinstance(home, Replica)
+    home.inflight = 6
     spill = ready.choose(None, Req(body))
-    assert spill is not None and spill is not home
+    assert isinstance(spill, Replica) and spill is not home
     fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    return ready, body, home, spill, fam
+
+
+def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
+    ready, body, home, spill, fam = spilled_family()
     assert fam.primary is home and fam.secondary is spill
     # While home is saturated the family keeps to its one spill replica (cached there).
     spill.inflight = 1
@@ -118,15 +127,7 @@ def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
 
 
 def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -> None:
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
-    body = bodies(1, seed=41)[0]
-    home = ready.choose(None, Req(body))
-    assert home is not None
-    home.inflight = 6  # saturated (bound 3, as above)
-    spill = ready.choose(None, Req(body))
-    assert spill is not None and spill is not home
-    fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    ready, body, home, spill, fam = spilled_family()
     others = [r for r in ready.replicas if r not in (home, spill)]
     # The secondary at the mean (total 8: 8 // 4 + 1 = 3 is "above", 2 is not): kept.
     home.inflight, spill.inflight = 6, 2
