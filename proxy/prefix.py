@@ -222,6 +222,12 @@ class PrefixPolicy:
         table.update(self._replicas)
         self.placement = table
 
+    @property
+    def spill_margin(self) -> int:
+        """The margin this proxy applies now (`spill_margin` over the proxies sharing the
+        fleet, at least 1); 0 when the margin is off."""
+        return self._margin if self._fleet_margin else 0
+
     def set_proxies(self, n: int) -> None:
         """`n` proxies share the fleet (the Redis source, once a second): each judges its own
         ~1/n of the requests, so each applies 1/n of `spill_margin` (at least 1)."""

@@ -358,6 +358,7 @@ async def test_all_four_cells_on_a_llama_format_engine(
     assert total(samples, "sluice_prefix_engine_reports_total", [engine.url]) == 5
     # Without placement (no Redis: rendezvous) there is no family table to show.
     assert not [s for s in samples if s[0] == "sluice_prefix_families"]
+    assert metric(samples, "sluice_prefix_spill_margin") == 16  # alone: the whole margin
 
 
 async def test_vllm_format_with_placement_counts_families_and_usage_reports(
@@ -366,7 +367,8 @@ async def test_vllm_format_with_placement_counts_families_and_usage_reports(
     engines = await cache_engines.astart("vllm", ["a", "b"])
     urls = [e.url for e in engines]
     proxy = await proxy_factory.astart(*BASE_ARGS, "--policy", "prefix",
-                                       "--prefix-placement", "capacity", replicas=urls)
+                                       "--prefix-placement", "capacity",
+                                       "--prefix-spill-margin", "0", replicas=urls)
     seeds = range(4)
     where: dict[int, set[str]] = {s: set() for s in seeds}
     usage = {"stream": True, "stream_options": {"include_usage": True}}
@@ -395,6 +397,7 @@ async def test_vllm_format_with_placement_counts_families_and_usage_reports(
     placed = {next(iter(w)) for w in where.values()}
     assert {r for r, n in by_replica.items() if n} == placed
     assert total(samples, "sluice_prefix_family_capacity", urls) == 8  # default 4 each
+    assert metric(samples, "sluice_prefix_spill_margin") == 0  # --prefix-spill-margin 0
 
 
 async def test_a_hostile_report_is_relayed_intact_and_never_misread(

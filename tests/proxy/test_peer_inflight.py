@@ -111,7 +111,7 @@ async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
     url = ready_set.replicas[0].url
 
     def margin() -> int:
-        return ready_set.policy._margin  # type: ignore[attr-defined, no-any-return]
+        return ready_set.policy.spill_margin  # type: ignore[attr-defined, no-any-return]
 
     try:
         assert margin() == 16  # alone
@@ -135,11 +135,11 @@ def test_a_margin_split_among_many_proxies_is_at_least_one() -> None:
     ready.apply(snapshot(1, *URLS[:4]))
     policy = ready.policy
     policy.set_proxies(MAX_PEERS + 1)  # type: ignore[attr-defined]
-    assert policy._margin == 1  # type: ignore[attr-defined]
+    assert policy.spill_margin == 1  # type: ignore[attr-defined]
     off = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(spill_margin=0))
     off.apply(snapshot(1, *URLS[:4]))
     off.policy.set_proxies(4)  # type: ignore[attr-defined]
-    assert off.policy._margin == 1 << 30  # type: ignore[attr-defined]  # still no margin
+    assert off.policy.spill_margin == 0  # type: ignore[attr-defined]  # still no margin
 
 
 @pytest.mark.parametrize("bad", [
