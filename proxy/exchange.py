@@ -61,6 +61,8 @@ NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
 _BODY_BUFFER_HIGH = 256 * 1024
 _ROUTE_WAIT = 1.0  # longest a request waits for the body bytes its policy routes on
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+# The last event of an OpenAI-style stream, blank line included (the client has read it).
+_DONE_EVENTS = (b"data: [DONE]\n\n", b"data: [DONE]\r\n\r\n", b"data:[DONE]\n\n")
 
 
 class Clock(Protocol):
@@ -120,6 +122,7 @@ class Exchange:
         "head_tail",
         "heartbeat_at",
         "is_head",
+        "last_chunk",
         "last_error",
         "out",
         "outcome",
@@ -192,6 +195,7 @@ class Exchange:
         # -- the response relayed to the client
         self.status = 0
         self.resp_bytes = 0  # response body bytes relayed (for a cut's log line)
+        self.last_chunk = b""  # the last body chunk relayed (did the stream end? on_client_lost)
         self.cut_cause: str | None = None  # why the response was cut short (proxy/cuts.py)
         self.out: list[bytes] = []  # response bytes not yet written to the client
         self.resp_chunked = False  # we chunk the body for the client
@@ -504,6 +508,7 @@ class Exchange:
         # The engine's report of cached prompt tokens (prefix policy only; proxy/outcomes.py).
         if self.outcome is not None and data.find(MARKER, SCAN_FROM) >= 0:
             self.cached = cached_tokens(data, self.cached)
+        self.last_chunk = data
         if self.resp_chunked:
             self.out.append(b"%x\r\n" % len(data))
             self.out.append(data)
@@ -660,16 +665,26 @@ class Exchange:
             self.cut_cause)  # fmt: skip
 
     def on_client_lost(self) -> None:
-        """The client went away: cancel the upstream request at once (499)."""
+        """The client went away: cancel the upstream request at once (499).
+
+        Not a 499 when the client closed after the stream's `data: [DONE]` event, before
+        the response's last chunk came from the replica: it has its whole answer (many
+        SSE readers close on [DONE]), so the response counts as the status it had.
+        """
         if self.state == DONE:
             return
         self.detach_upstream(abort=True)
+        whole = (self.state == STREAMING and self.status == 200 and not self.discard_body
+                 and self.last_chunk.endswith(_DONE_EVENTS))
         self.state = DONE
-        self.status = 499
+        if not whole:
+            self.status = 499
+        elif self.outcome is not None and self.cached >= 0:
+            record(self.outcome, self.cached)
         if self.ctx.access_log is not None:
             self.log_access()
         self.release_replica(tried=False)
-        self.ctx.stats.count_response(499)
+        self.ctx.stats.count_response(self.status)
 
     def tick(self, now: float) -> None:
         state = self.state

@@ -158,6 +158,7 @@ class ResumableExchange(Exchange):
             self.relayed.clear()
         else:
             self.relayed.append(data)
+        self.last_chunk = data
         out = self.out
         out.append(b"%x\r\n" % len(data))
         out.append(data)

@@ -134,10 +134,10 @@ async def test_a_client_leaving_mid_stream_frees_the_engines_slot(
             resp.close()  # the client goes away
         await until(lambda: server.busy_slots() == 0, timeout=15, what="the slot to free")
 
-        # Exactly one 499, polled for, and before the next request: that one's reader
-        # stops at [DONE] and closes, which the proxy may count as a second client leaving
-        # if the engine's last chunk comes after it (seen once in a full run). The lines
-        # say what the scrape did show.
+        # Exactly one 499, polled for. The next request's reader stops at [DONE] and
+        # closes, maybe before the engine's last chunk: that counts as its 200, not as a
+        # second client leaving (proxy/exchange.py on_client_lost). The lines say what
+        # the scrape did show.
         def disconnects() -> list[str]:
             status, body = proxy.admin_get("/metrics")
             assert status == 200

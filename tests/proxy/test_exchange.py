@@ -14,6 +14,8 @@ checked against the Protocols: `mypy --strict tests/proxy/test_exchange.py` is c
 
 from __future__ import annotations
 
+import pytest
+
 from proxy import http
 from proxy.config import ProxyConfig
 from proxy.errors import UpstreamConnectError
@@ -382,6 +384,31 @@ def test_client_lost_mid_response_aborts_upstream_and_releases_the_replica() -> 
     assert ctx.pools[URLS[0]].released == []  # aborted: never back to the pool
     ex.on_client_lost()  # once only
     assert ctx.stats.responses == {499: 1}
+
+
+@pytest.mark.parametrize(("status", "last", "counted"), [
+    (200, b"data: [DONE]\n\n", 200),  # the client read the stream's end, then closed
+    (200, b"data: {}\n\ndata: [DONE]\r\n\r\n", 200),
+    (200, b"data: [DONE]\n", 499),  # the event's blank line never came: not read as an end
+    (200, b"data: 1\n\n", 499),  # mid-stream
+    (200, b'data: {"text": "data: [DONE]\\n\\n"}\n\n', 499),  # the words, inside an event
+    (500, b"data: [DONE]\n\n", 499),  # not a 200: never passed off as a whole answer
+])
+def test_a_client_closing_after_the_streams_done_event_is_not_a_499(
+    status: int, last: bytes, counted: int,
+) -> None:
+    ctx = _ctx(URLS[0])
+    conn = _idle(ctx, URLS[0])
+    ex = _exchange(ctx, FakeClient())
+    ex.start()
+    ex.on_request_complete()
+    conn.respond_head(status, [(b"Content-Type", b"text/event-stream")])
+    conn.respond_body(b"data: 1\n\n")
+    conn.respond_body(last)
+    ex.on_client_lost()  # before the replica's last chunk
+    assert ex.state == DONE and ex.status == counted
+    assert ctx.stats.responses == {counted: 1}
+    assert conn.aborted and _replica(ctx, URLS[0]).inflight == 0
 
 
 def test_client_lost_while_waiting_for_a_connection_leaves_the_pool_queue() -> None:

@@ -343,6 +343,39 @@ async def test_client_disconnect_cancels_upstream_and_counts_499(
     assert (await snapshot_inflight(proxy.admin_url)) == {rep.url: 0}
 
 
+async def test_a_client_closing_after_the_done_event_counts_a_200_not_a_499(
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+) -> None:
+    # Many SSE readers close once they read `data: [DONE]`; the replica's last chunk may
+    # come after that. The client has its whole answer: not a client leaving.
+    [rep] = await replica_factory.astart(1)
+    proxy = await proxy_factory.astart(*BASE_ARGS, replicas=[rep])
+    async with rawhttp.connect(proxy.port) as conn:
+        conn.send(get("/sse?n=2&interval=0&done_then_hang=1"))
+        await conn.writer.drain()
+        status, _ = await rawhttp.read_head(conn.reader)
+        assert status == 200
+        events = b""
+        async with asyncio.timeout(10):
+            async for chunk in rawhttp.read_chunks(conn.reader):
+                events += chunk
+                if events.endswith(b"data: [DONE]\n\n"):
+                    break
+        assert events.count(b"data: ") == 3
+        conn.abort()  # as the reader does at [DONE]
+    await until(lambda: rep.stats()["cancelled_by_path"].get("/sse"),
+                what="the replica's held last chunk cancelled")
+
+    async def counted() -> bool:
+        samples = await scrape(proxy.admin_url)
+        return metric(samples, "sluice_responses_total", code="200") == 1
+
+    await until(counted, what="the stream counted as a 200")
+    samples = await scrape(proxy.admin_url)
+    assert metric(samples, "sluice_client_disconnects_total") == 0
+    assert (await snapshot_inflight(proxy.admin_url)) == {rep.url: 0}
+
+
 async def test_inflight_returns_to_zero_after_every_kind_of_abort(
     proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
 ) -> None:

@@ -79,6 +79,10 @@ async def sse(request: web.Request) -> web.StreamResponse:
         if i:
             await asyncio.sleep(interval)
         await resp.write(f"data: {json.dumps({'i': i, 't': time.time()})}\n\n".encode())
+    if "done_then_hang" in request.query:
+        # An OpenAI-style end, then the response's last chunk held back until cancelled.
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.Event().wait()
     await resp.write_eof()
     return resp
 
