@@ -109,12 +109,10 @@ def wait_for(predicate: Callable[[], object], within: float, what: str, log: Pat
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("victim", "setup"),
-    [pytest.param("run", False, marks=pytest.mark.xfail(
-        strict=False, reason="failed in 2 of 4 full runs (never alone, 0 of 40 under CPU "
-        "stress): a process outlived a kill -9 of `sluice run` at CONTROLLER_INIT; one "
-        "cause found and fixed (test_a_replica_committed_just_before_redis_dies...), "
-        "kept non-strict until full runs confirm it was the only one")),
-     ("controller", False), ("proxy", False), ("run", True), ("controller", True)],
+    # `run` failed in 2 of 4 full runs before 626bf33 (a replica committed just before
+    # Redis died outlived the kill); it passed in every full run since (16, CI included).
+    [("run", False), ("controller", False), ("proxy", False), ("run", True),
+     ("controller", True)],
     ids=["run", "controller", "proxy", "run-during-setup", "controller-during-setup"],
 )  # fmt: skip
 def test_kill_9_leaves_no_replica_and_no_redis_running(
