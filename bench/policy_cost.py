@@ -27,6 +27,7 @@ class Req:
         self.body = [body]
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
+        self.cold = False
 
 
 def run(policy: str, bodies: list[bytes], n: int = 20000) -> float:

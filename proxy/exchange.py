@@ -111,6 +111,7 @@ class Exchange:
         "chunked",
         "client",
         "close_after",
+        "cold",
         "ctx",
         "cut_cause",
         "deadline_at",
@@ -127,6 +128,7 @@ class Exchange:
         "out",
         "outcome",
         "pool",
+        "prefill_on",
         "progress",
         "progress_at",
         "refused",
@@ -166,6 +168,8 @@ class Exchange:
         # prefix-routed, the response is not scanned) and the engine's report (-1: none).
         self.outcome: list[int] | None = None
         self.cached = NO_REPORT
+        self.cold = False  # the prefix policy predicted a miss (a cold prefill)
+        self.prefill_on: ReplicaView | None = None  # counted in its `prefilling` until then
         self.awaiting_body = False  # holding the body's first bytes before choosing
         # -- the request body
         self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
@@ -252,6 +256,9 @@ class Exchange:
                 return
         self.replica = replica
         replica.inflight += 1
+        if self.cold:
+            replica.prefilling += 1
+            self.prefill_on = replica
         self.attempts += 1
         self.ctx.stats.attempts += 1
         pool: ConnectionPool = replica.pool  # type: ignore[assignment]
@@ -509,6 +516,8 @@ class Exchange:
         if self.outcome is not None and data.find(MARKER, SCAN_FROM) >= 0:
             self.cached = cached_tokens(data, self.cached)
         self.last_chunk = data
+        if self.prefill_on is not None:
+            self.prefilled()
         if self.resp_chunked:
             self.out.append(b"%x\r\n" % len(data))
             self.out.append(data)
@@ -579,7 +588,14 @@ class Exchange:
         else:
             self.fail(http.bad_gateway(self.last_error), 502, self.last_error)
 
+    def prefilled(self) -> None:
+        """The cold prefill is over (its first response byte came) or abandoned."""
+        self.prefill_on.prefilling -= 1  # type: ignore[union-attr]
+        self.prefill_on = None
+
     def release_replica(self, tried: bool = True) -> None:
+        if self.prefill_on is not None:
+            self.prefilled()
         replica = self.replica
         if replica is not None:
             self.replica = None

@@ -160,6 +160,7 @@ class ReplicaView(Protocol):
     inflight: int  # requests holding this replica now
     engine_queue: int  # requests waiting in its engine (0 unless --engine-load)
     peer_inflight: int  # the other proxies' in flight there (0 unless --fleet-load)
+    prefilling: int  # of `inflight`, sent as a predicted cold prefill, no response byte yet
     left_at: float | None  # when it left the ready set; None while in it
     pool: ConnectionPool | None
     path: bytes  # prefixed to every request path sent to it
@@ -174,6 +175,8 @@ class Routable(Protocol):
     route_key: tuple[int, ...] | None  # None until computed; () when the request has none
     # The prefix policy's outcome counters for its decision (proxy/outcomes.py); None: none.
     outcome: list[int] | None
+    # Set by the prefix policy: routed as a predicted miss (the replica prefills it cold).
+    cold: bool
 
 
 class Policy(Protocol):

@@ -290,6 +290,7 @@ class PrefixPolicy:
         if chosen is not None:
             pair = self._outcomes.get(chosen)  # None: a fallback outside the set
             request.outcome = pair[self._predicted] if pair is not None else None
+            request.cold = self._predicted == PREDICTED_MISS and bool(key)
         return chosen
 
     def _choose_known(self, key: tuple[int, ...],

@@ -78,6 +78,7 @@ class Replica:
         "peer_inflight",
         "pool",
         "port",
+        "prefilling",
         "target_qps",
         "tls",
         "url",
@@ -113,6 +114,10 @@ class Replica:
         # Requests the other proxies had in flight here at their last flush (--fleet-load,
         # proxy/sources/redis.py; else 0); the prefix policy's load bound adds it.
         self.peer_inflight = 0
+        # Of `inflight`, requests this proxy sent as a predicted cold prefill (the prefix
+        # policy's miss) whose response has not begun: placement avoids piling a second
+        # cold prompt onto a replica still computing one (proxy/placement.py).
+        self.prefilling = 0
 
     def refresh(self, info: ReadyReplica) -> None:
         self.id = info.id

@@ -159,6 +159,8 @@ class ResumableExchange(Exchange):
         else:
             self.relayed.append(data)
         self.last_chunk = data
+        if self.prefill_on is not None:
+            self.prefilled()
         out = self.out
         out.append(b"%x\r\n" % len(data))
         out.append(data)

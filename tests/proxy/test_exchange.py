@@ -411,6 +411,49 @@ def test_a_client_closing_after_the_streams_done_event_is_not_a_499(
     assert conn.aborted and _replica(ctx, URLS[0]).inflight == 0
 
 
+def test_a_cold_prefill_is_counted_on_its_replica_until_the_first_response_byte() -> None:
+    ctx = _ctx(URLS[0])
+    conn = _idle(ctx, URLS[0])
+    ex = _exchange(ctx, FakeClient())
+    ex.cold = True  # as the prefix policy marks a predicted miss
+    ex.start()
+    ex.on_request_complete()
+    replica = _replica(ctx, URLS[0])
+    assert replica.prefilling == 1
+    conn.respond_head(200, [(b"Content-Type", b"text/event-stream")])
+    assert replica.prefilling == 1  # a head may come before the prefill ends
+    conn.respond_body(b"data: 1\n\n")
+    assert replica.prefilling == 0 and replica.inflight == 1
+    conn.respond_body(b"data: 2\n\n")
+    conn.respond_end()
+    assert replica.prefilling == 0 and replica.inflight == 0
+
+
+@pytest.mark.parametrize("ending", ["client_lost", "connect_failed", "deadline", "reset"])
+def test_a_cold_prefill_that_never_answered_is_uncounted(ending: str) -> None:
+    ctx = _ctx(URLS[0], retry_deadline=5.0, max_attempts=1)
+    pool_conn = _idle(ctx, URLS[0]) if ending in ("client_lost", "reset") else None
+    ex = _exchange(ctx, FakeClient())
+    ex.cold = True
+    ex.start()
+    ex.on_request_complete()
+    replica = _replica(ctx, URLS[0])
+    assert replica.prefilling == 1
+    if ending == "client_lost":
+        ex.on_client_lost()
+    elif ending == "connect_failed":
+        ex.on_connect_failed(UpstreamConnectError("refused"))
+    elif ending == "deadline":
+        ctx.advance(6.0)
+        ex.tick(ctx.now)
+    else:
+        assert pool_conn is not None
+        pool_conn.reset = True
+        ex.on_upstream_lost(pool_conn, in_response=False)
+    assert ex.state == DONE
+    assert replica.prefilling == 0 and replica.inflight == 0
+
+
 def test_client_lost_while_waiting_for_a_connection_leaves_the_pool_queue() -> None:
     ctx = _ctx(URLS[0])
     ex = _exchange(ctx, FakeClient())

@@ -182,6 +182,7 @@ class Req:
         self.req_headers: list[tuple[bytes, bytes]] = []
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
+        self.cold = False
 
 
 def ready_set(policy: str, placement: str = "rendezvous", n: int = 3,

@@ -36,6 +36,7 @@ class Req:
         self.req_headers = headers or []
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
+        self.cold = False
 
 
 def chat(system: str, *turns: str, model: str = "m", first: bool = True) -> bytes:

@@ -64,10 +64,11 @@ def proxied(replica: Replica) -> int:
     return sum(n for path, n in by_path.items() if path != "/health")
 
 
-async def snapshot_inflight(admin_url: str) -> dict[str, int]:
+async def snapshot_inflight(admin_url: str, field: str = "inflight") -> dict[str, int]:
+    """Per replica URL, its `inflight` (or another count) in the admin /snapshot."""
     status, body = await get_json(f"{admin_url}/snapshot")
     assert status == 200
-    return {r["url"]: r["inflight"] for r in body["replicas"]}
+    return {r["url"]: r[field] for r in body["replicas"]}
 
 
 # -- replicas that die, reset or hang -------------------------------------------------------
@@ -376,11 +377,23 @@ async def test_a_client_closing_after_the_done_event_counts_a_200_not_a_499(
     assert (await snapshot_inflight(proxy.admin_url)) == {rep.url: 0}
 
 
+@pytest.mark.parametrize("policy", ["least_load", "prefix"])
 async def test_inflight_returns_to_zero_after_every_kind_of_abort(
-    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory,
+    proxy_factory: ProxyFactory, replica_factory: ReplicaFactory, policy: str,
 ) -> None:
+    # With `prefix` every request carries a chat body of its own prompt: each is a
+    # predicted cold prefill, counted on its replica until its first response byte, and
+    # every way an exchange ends must give that count back too.
     reps = await replica_factory.astart(2)
-    proxy = await proxy_factory.astart(*BASE_ARGS, "--retry-deadline", "3", replicas=reps)
+    proxy = await proxy_factory.astart(*BASE_ARGS, "--retry-deadline", "3", "--policy", policy,
+                                       replicas=reps)
+    prompts = iter(range(100))
+
+    def get(path: str) -> bytes:
+        if policy == "least_load":
+            return rawhttp.get(path)
+        body = json.dumps({"messages": [{"role": "user", "content": f"{next(prompts)} " * 400}]})
+        return rawhttp.get(path, "Content-Type: application/json", body=body.encode())
 
     async def abandon(path: str, after_head: bool) -> None:
         async with rawhttp.connect(proxy.port) as conn:
@@ -391,6 +404,9 @@ async def test_inflight_returns_to_zero_after_every_kind_of_abort(
             else:
                 await until(lambda: sum(r.stats()["in_flight"] for r in reps) >= 1,
                             what=f"{path} in flight")
+                if policy == "prefix":  # no response byte yet: still a cold prefill
+                    cold = await snapshot_inflight(proxy.admin_url, "prefilling")
+                    assert sum(cold.values()) >= 1, cold
             conn.abort()
 
     async def complete(path: str) -> int:
@@ -412,6 +428,7 @@ async def test_inflight_returns_to_zero_after_every_kind_of_abort(
         return set(inflight.values()) == {0}
 
     await until(all_zero, what="in-flight back to 0 on every replica")
+    assert set((await snapshot_inflight(proxy.admin_url, "prefilling")).values()) == {0}
     samples = await scrape(proxy.admin_url)
     assert all(v == 0 for n, _, v in samples if n == "sluice_replica_inflight")
     resp = await rawhttp.fetch(proxy.port, get("/fast"))
