@@ -14,14 +14,15 @@ decides instead, for a family it does not know:
 2. of these, one with free cache capacity (families placed there < its
    capacity: llama.cpp's slots from the engine view, else the KV capacity in
    tokens over the key window's tokens, else the configured default);
-3. then one not computing a cold prefill: no request this proxy sent there as a
-   predicted miss is still waiting for its first response byte (`prefilling`, counted
-   by the exchange). A cold prompt of a thousand tokens holds its replica's batch for
-   a while, and two new families placed on one replica 40 ms apart made the second,
-   and every request behind it, wait (the simulator's p99);
-4. then the lowest load (this proxy's in flight + engine queue), then the fewest families
-   for its capacity; the family's rendezvous order breaks the remaining ties
-   (so proxies with the same view decide the same).
+3. then the lowest load: this proxy's in flight + engine queue, where a request it sent
+   as a predicted miss that has no response byte yet (`prefilling`, counted by the
+   exchange) counts twice. A cold prompt of a thousand tokens holds its replica's batch
+   for a while, and two new families placed on one replica 40 ms apart made the second,
+   and every request behind it, wait (the simulator's p99). Twice, not "avoid at any
+   load": a strict preference measured worse on real llama.cpp servers, whose requests
+   wait cold in the engine's queue for seconds (bench/README.md);
+4. then the fewest families for its capacity; the family's rendezvous order breaks the
+   remaining ties (so proxies with the same view decide the same).
 
 A known family goes to its primary while that is within the (1 + epsilon)
 bound (and `spill_margin` above the mean: PrefixPolicy._capacity), else to its
@@ -215,7 +216,7 @@ class PlacementTable:
         capacity = self.capacity
         default = self.default_capacity
         best: ReplicaView | None = None
-        b_over = b_full = b_cold = True
+        b_over = b_full = True
         b_load = 0
         b_ratio = 0.0
         for r in order:
@@ -226,10 +227,10 @@ class PlacementTable:
             # preferring the replica the others' last counts showed idle would herd there.
             load = r.inflight + r.engine_queue
             over = (load + r.peer_inflight if fleet else load) >= bound
+            load += r.prefilling  # a cold prefill in flight counts twice in the order
             n = placed.get(r, 0)
             cap = capacity.get(r, default)
             full = n >= cap
-            cold = r.prefilling > 0
             if best is not None:
                 if over != b_over:
                     if over:
@@ -237,15 +238,12 @@ class PlacementTable:
                 elif full != b_full:
                     if full:
                         continue
-                elif cold != b_cold:
-                    if cold:
-                        continue
                 elif load != b_load:
                     if load > b_load:
                         continue
                 elif n / cap >= b_ratio:
                     continue
-            best, b_over, b_full, b_cold, b_load, b_ratio = r, over, full, cold, load, n / cap
+            best, b_over, b_full, b_load, b_ratio = r, over, full, load, n / cap
         return best
 
     def add(self, fid: int, replica: ReplicaView) -> None:

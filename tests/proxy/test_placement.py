@@ -83,40 +83,29 @@ def test_a_new_family_goes_to_the_least_loaded_replica_with_room() -> None:
         ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
 
 
-def test_a_new_family_avoids_a_replica_still_prefilling_a_cold_prompt() -> None:
+def test_a_cold_prefill_in_flight_counts_twice_in_a_new_familys_order() -> None:
     # Two new families 40 ms apart both went to the least loaded replica, whose first cold
     # prefill then delayed the second and every request behind it (the simulator's p99).
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4]))
-    first, second, third = bodies(3, seed=23)
+    ready.apply(snapshot(1, *URLS[:3]))
+    first, second, third, fourth = bodies(4, seed=23)
     request = Req(first)
     a = ready.choose(None, request)
     assert a is not None and request.cold  # a new family: a predicted miss
     a.inflight, a.prefilling = 1, 1  # what the exchange counts until its first byte
-    others = [r for r in ready.replicas if r is not a]
-    for r, load in zip(others, (2, 2, 3), strict=True):
-        r.inflight = load  # busier, computing nothing cold; a new prefix's bound is 3
-    b = ready.choose(None, Req(second))
-    assert b in others[:2]
+    b, c = (r for r in ready.replicas if r is not a)
+    b.inflight, c.inflight = 2, 3  # a new prefix's bound: 3, so c is out
+    assert ready.choose(None, Req(second)) is b  # a counts 2, as b; b holds no family
     # Its prefill done (the response began), the least loaded takes the next one again.
     a.prefilling = 0
     assert ready.choose(None, Req(third)) is a
+    # Counted twice, not shunned: a still beats a replica with 3 in flight.
+    a.prefilling = 1
+    b.inflight, c.inflight = 3, 5  # bound 4: b in, c out
+    assert ready.choose(None, Req(fourth)) is a
     # A known family is no cold prefill: not marked, and not moved off its replica.
     again = Req(first)
     assert ready.choose(None, again) is a and not again.cold
-
-
-def test_free_cache_capacity_comes_before_a_replica_without_a_cold_prefill() -> None:
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:2]))
-    with_slots(ready, 1)
-    first, second = bodies(2, seed=37)
-    a = ready.choose(None, Req(first))
-    assert a is not None
-    other = next(r for r in ready.replicas if r is not a)
-    a.inflight = 1
-    other.prefilling = other.inflight = 1  # cold, but its cache has room; `a` is full
-    assert ready.choose(None, Req(second)) is other
 
 
 def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
@@ -125,8 +114,11 @@ def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
     with_slots(ready, 1)
     first, second = bodies(2, seed=31)
     a = ready.choose(None, Req(first))
-    b = ready.choose(None, Req(second))
-    assert a is not None and b is not None and a is not b
+    assert a is not None
+    b = next(r for r in ready.replicas if r is not a)
+    a.inflight = 1
+    b.prefilling = b.inflight = 1  # busier (a cold prefill counts twice), but it has room
+    assert ready.choose(None, Req(second)) is b
 
 
 def spilled_family(seed: int = 41) -> tuple[ReadySet, bytes, Replica, Replica, Family]:
