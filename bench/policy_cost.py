@@ -28,6 +28,7 @@ class Req:
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
         self.cold = False
+        self.warms: object = None
 
 
 def run(policy: str, bodies: list[bytes], n: int = 20000) -> float:

@@ -46,6 +46,7 @@ from proxy.interfaces import (
     ConnectionPool,
     ReplicaView,
     UpstreamLink,
+    Warming,
 )
 from proxy.outcomes import MARKER, NO_REPORT, SCAN_FROM, cached_tokens, record
 
@@ -147,6 +148,7 @@ class Exchange:
         "up_out",
         "upload_at",
         "upstream",
+        "warms",
     )
 
     def __init__(self, ctx: ExchangeContext, client: ClientView, method: bytes,
@@ -170,6 +172,7 @@ class Exchange:
         self.cached = NO_REPORT
         self.cold = False  # the prefix policy predicted a miss (a cold prefill)
         self.prefill_on: ReplicaView | None = None  # counted in its `prefilling` until then
+        self.warms: Warming | None = None  # a family whose new spill replica it prefills
         self.awaiting_body = False  # holding the body's first bytes before choosing
         # -- the request body
         self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
@@ -590,8 +593,14 @@ class Exchange:
 
     def prefilled(self) -> None:
         """The cold prefill is over (its first response byte came) or abandoned."""
-        self.prefill_on.prefilling -= 1  # type: ignore[union-attr]
+        replica: ReplicaView = self.prefill_on  # type: ignore[assignment]
+        replica.prefilling -= 1
         self.prefill_on = None
+        family = self.warms
+        if family is not None:  # the family's spill replica has its prompt (or never will)
+            self.warms = None
+            if family.warming is replica:
+                family.warming = None
 
     def release_replica(self, tried: bool = True) -> None:
         if self.prefill_on is not None:

@@ -177,6 +177,15 @@ class Routable(Protocol):
     outcome: list[int] | None
     # Set by the prefix policy: routed as a predicted miss (the replica prefills it cold).
     cold: bool
+    # Set by the prefix policy: the first request of a family's new spill replica (its
+    # placement.Family, whose `warming` the exchange clears at the first byte); else None.
+    warms: Warming | None
+
+
+class Warming(Protocol):
+    """A prompt family whose new spill replica is computing its prompt (placement.Family)."""
+
+    warming: ReplicaView | None
 
 
 class Policy(Protocol):

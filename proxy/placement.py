@@ -28,8 +28,11 @@ A known family goes to its primary while that is within the (1 + epsilon)
 bound (and `spill_margin` above the mean: PrefixPolicy._capacity), else to its
 secondary while that is at or below the mean in flight (a hot family spills to
 one more replica only when its own is saturated), else to a new secondary chosen
-as above (the overflow moves to the least loaded). A primary that left the set is
-replaced (the family moves).
+as above (the overflow moves to the least loaded). While the first request this
+proxy spilled to a new secondary has no response byte yet (`Family.warming`: that
+replica is still computing the prompt), the overflow stays at the primary: a second
+request there would compute the prompt again, both stalling its batch. A primary
+that left the set is replaced (the family moves).
 Secondaries unused for `ttl / 4` and families unused for `ttl` are dropped by
 `refresh()` (called off the request path, about once a second); the table
 holds at most `max_families` (oldest use first out).
@@ -66,7 +69,7 @@ MAX_OUTBOX = 4096
 class Family:
     """One family's replicas: `primary` (where it is placed), `secondary` (its spill)."""
 
-    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used")
+    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used", "warming")
 
     def __init__(self, primary: ReplicaView, now: float) -> None:
         self.primary = primary
@@ -76,6 +79,11 @@ class Family:
         # The primary this proxy had before adopting another proxy's: the longest-prefix
         # memory's entries pointing there are stale (proxy/prefix.py skips them).
         self.moved_from: ReplicaView | None = None
+        # A secondary this proxy just chose, still computing the family's prompt for the
+        # first request it sent there (the exchange clears it at that request's first byte
+        # or its end; refresh() at the latest): the overflow waits at the primary meanwhile
+        # (PrefixPolicy._choose_placed).
+        self.warming: ReplicaView | None = None
 
 
 def engine_capacity(replica: ReplicaView, window_tokens: int, default: int) -> int:
@@ -152,6 +160,7 @@ class PlacementTable:
             dropped += 1
         spill_cut = now - self.ttl / 4
         for fam in families.values():
+            fam.warming = None  # a bound: an answer lost on the way waits a second at most
             if fam.secondary is not None and fam.secondary_used < spill_cut:
                 fam.secondary = None
         return dropped
@@ -266,6 +275,7 @@ class PlacementTable:
         moved = fam.secondary is not None
         fam.secondary = replica
         fam.secondary_used = self.now
+        fam.warming = replica
         if len(self.spill_outbox) < MAX_OUTBOX:
             self.spill_outbox.append((fid, replica.url, moved))
 

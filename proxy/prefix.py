@@ -63,7 +63,7 @@ from zlib import crc32
 
 from proxy.interfaces import Policy, ReplicaView, Routable
 from proxy.outcomes import PREDICTED_HIT, PREDICTED_MISS, new_outcomes
-from proxy.placement import PlacementTable
+from proxy.placement import Family, PlacementTable
 from proxy.wire.snapshot import PrefixOptions
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
@@ -203,6 +203,7 @@ class PrefixPolicy:
         self.outcomes: dict[str, tuple[list[int], list[int]]] = {}
         self._outcomes: dict[ReplicaView, tuple[list[int], list[int]]] = {}
         self._predicted = PREDICTED_MISS  # of the decision being made (set by choose)
+        self._warms: Family | None = None  # likewise: a family whose new secondary it is
         # An engine hit: at least one block's worth of cached tokens (~4 bytes a token).
         self._hit_tokens = opts.block_bytes // 4
         # Placement by load and free cache capacity (proxy/placement.py); None: rendezvous.
@@ -291,6 +292,8 @@ class PrefixPolicy:
             pair = self._outcomes.get(chosen)  # None: a fallback outside the set
             request.outcome = pair[self._predicted] if pair is not None else None
             request.cold = self._predicted == PREDICTED_MISS and bool(key)
+        request.warms = self._warms
+        self._warms = None
         return chosen
 
     def _choose_known(self, key: tuple[int, ...],
@@ -421,6 +424,14 @@ class PrefixPolicy:
             for r in (fam.primary, fam.secondary):
                 if r is None or r.left_at is not None or (exclude is not None and r in exclude):
                     continue
+                if r is fam.warming and reason == SPILL:
+                    # The first request this proxy spilled there is still computing the
+                    # prompt: a second would compute it again (a cold prefill each, both
+                    # stalling that replica's batch). The overflow waits at the primary
+                    # (over the bound, not gone) until the first answers.
+                    chosen = fam.primary
+                    reason = AFFINITY
+                    break
                 load = r.inflight + r.peer_inflight + r.engine_queue
                 if load:
                     if capacity < 0:
@@ -460,6 +471,7 @@ class PrefixPolicy:
                 table.move(fam, chosen)  # its replica is gone or failed: the family moves
             else:
                 table.spill(fid, fam, chosen)  # saturated: the overflow moves here
+                self._warms = fam
                 reason = SPILL
         if len(key) > 1 and self._lru_size:
             self._remember(key, chosen)

@@ -28,6 +28,7 @@ from proxy.interfaces import (
     Upload,
     UpstreamLink,
 )
+from proxy.placement import Family
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.stats import Stats
@@ -415,15 +416,18 @@ def test_a_cold_prefill_is_counted_on_its_replica_until_the_first_response_byte(
     ctx = _ctx(URLS[0])
     conn = _idle(ctx, URLS[0])
     ex = _exchange(ctx, FakeClient())
-    ex.cold = True  # as the prefix policy marks a predicted miss
+    replica = _replica(ctx, URLS[0])
+    family = Family(replica, 0.0)
+    family.warming = replica  # the first request of its new spill replica
+    ex.cold, ex.warms = True, family  # as the prefix policy marks a predicted miss
     ex.start()
     ex.on_request_complete()
-    replica = _replica(ctx, URLS[0])
     assert replica.prefilling == 1
     conn.respond_head(200, [(b"Content-Type", b"text/event-stream")])
-    assert replica.prefilling == 1  # a head may come before the prefill ends
+    assert replica.prefilling == 1 and family.warming is replica  # a head may come first
     conn.respond_body(b"data: 1\n\n")
     assert replica.prefilling == 0 and replica.inflight == 1
+    assert family.warming is None and ex.warms is None  # it has the prompt now
     conn.respond_body(b"data: 2\n\n")
     conn.respond_end()
     assert replica.prefilling == 0 and replica.inflight == 0
@@ -434,10 +438,12 @@ def test_a_cold_prefill_that_never_answered_is_uncounted(ending: str) -> None:
     ctx = _ctx(URLS[0], retry_deadline=5.0, max_attempts=1)
     pool_conn = _idle(ctx, URLS[0]) if ending in ("client_lost", "reset") else None
     ex = _exchange(ctx, FakeClient())
-    ex.cold = True
+    replica = _replica(ctx, URLS[0])
+    family = Family(replica, 0.0)
+    family.warming = replica
+    ex.cold, ex.warms = True, family
     ex.start()
     ex.on_request_complete()
-    replica = _replica(ctx, URLS[0])
     assert replica.prefilling == 1
     if ending == "client_lost":
         ex.on_client_lost()
@@ -452,6 +458,7 @@ def test_a_cold_prefill_that_never_answered_is_uncounted(ending: str) -> None:
         ex.on_upstream_lost(pool_conn, in_response=False)
     assert ex.state == DONE
     assert replica.prefilling == 0 and replica.inflight == 0
+    assert family.warming is None  # it never will have the prompt: the overflow may go there
 
 
 def test_client_lost_while_waiting_for_a_connection_leaves_the_pool_queue() -> None:

@@ -183,6 +183,7 @@ class Req:
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
         self.cold = False
+        self.warms: object = None
 
 
 def ready_set(policy: str, placement: str = "rendezvous", n: int = 3,

@@ -131,9 +131,12 @@ def spilled_family(seed: int = 41) -> tuple[ReadySet, bytes, Replica, Replica, F
     home = ready.choose(None, Req(body))
     assert isinstance(home, Replica)
     home.inflight = 6
-    spill = ready.choose(None, Req(body))
+    first = Req(body)
+    spill = ready.choose(None, first)
     assert isinstance(spill, Replica) and spill is not home
     fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    assert first.cold and first.warms is fam and fam.warming is spill
+    fam.warming = None  # its first byte came (what Exchange.prefilled does)
     return ready, body, home, spill, fam
 
 
@@ -152,6 +155,32 @@ def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
     third = ready.choose(None, Req(body))
     assert third is not None and third not in (home, spill)
     assert fam.primary is home and fam.secondary is third
+
+
+def test_the_overflow_waits_at_the_primary_while_a_new_secondary_computes_the_prompt() -> None:
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    body = bodies(1, seed=41)[0]
+    home = ready.choose(None, Req(body))
+    assert isinstance(home, Replica)
+    home.inflight = 6  # saturated (the bound is 3)
+    first = Req(body)
+    spill = ready.choose(None, first)
+    assert spill is not None and spill is not home and first.cold
+    fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
+    assert fam.secondary is spill and fam.warming is spill and first.warms is fam
+    # Until that request's first byte: a second one there would compute the prompt again.
+    again = Req(body)
+    assert ready.choose(None, again) is home and not again.cold and again.warms is None
+    fam.warming = None  # the first byte (Exchange.prefilled)
+    assert ready.choose(None, Req(body)) is spill
+    # An answer lost on the way: the table's refresh (about once a second) lets go.
+    home.inflight, spill.inflight = 6, 6
+    third = ready.choose(None, Req(body))
+    assert third not in (None, home, spill) and fam.warming is third
+    assert ready.choose(None, Req(body)) is home
+    ready.policy.placement.refresh(ready.policy.placement.now)  # type: ignore[attr-defined]
+    assert ready.choose(None, Req(body)) is third
 
 
 def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -> None:
@@ -245,6 +274,7 @@ def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None
     spill = ready.choose(None, Req(body))
     assert spill is not None and spill is not home
     assert table.spill_outbox == [(fid, spill.url, False)]  # a first spill: first writer wins
+    table.families[fid].warming = None  # its first byte came (Exchange.prefilled)
     home.inflight = spill.inflight = 6
     third = ready.choose(None, Req(body))
     assert third is not None and third not in (home, spill)

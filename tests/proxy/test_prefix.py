@@ -37,6 +37,7 @@ class Req:
         self.route_key: tuple[int, ...] | None = None
         self.outcome: list[int] | None = None
         self.cold = False
+        self.warms: object = None
 
 
 def chat(system: str, *turns: str, model: str = "m", first: bool = True) -> bytes:
