@@ -121,10 +121,11 @@ def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:
     assert ready.choose(None, Req(second)) is b
 
 
-def spilled_family(seed: int = 41) -> tuple[ReadySet, bytes, Replica, Replica, Family]:
+def spilled_family(seed: int = 41, *, answered: bool = True
+                   ) -> tuple[ReadySet, bytes, Replica, Replica, Family]:
     """4 replicas at epsilon 0.5; a family placed, then its home saturated (in flight 6
-    of 6 over 4: bound ceil(1.5 x 7 / 4) = 3) and its next request spilled: (ready set,
-    body, home, spill replica, the family's entry)."""
+    of 6 over 4: bound ceil(1.5 x 7 / 4) = 3) and its next request spilled (`answered`:
+    its first byte came): (ready set, body, home, spill replica, the family's entry)."""
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
     body = bodies(1, seed=seed)[0]
@@ -136,7 +137,8 @@ def spilled_family(seed: int = 41) -> tuple[ReadySet, bytes, Replica, Replica, F
     assert isinstance(spill, Replica) and spill is not home
     fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
     assert first.cold and first.warms is fam and fam.warming is spill
-    fam.warming = None  # its first byte came (what Exchange.prefilled does)
+    if answered:
+        fam.warming = None  # what Exchange.prefilled does
     return ready, body, home, spill, fam
 
 
@@ -158,17 +160,8 @@ def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
 
 
 def test_the_overflow_waits_at_the_primary_while_a_new_secondary_computes_the_prompt() -> None:
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
-    body = bodies(1, seed=41)[0]
-    home = ready.choose(None, Req(body))
-    assert isinstance(home, Replica)
-    home.inflight = 6  # saturated (the bound is 3)
-    first = Req(body)
-    spill = ready.choose(None, first)
-    assert spill is not None and spill is not home and first.cold
-    fam = ready.policy.placement.families[family_of(ready, body)]  # type: ignore[attr-defined]
-    assert fam.secondary is spill and fam.warming is spill and first.warms is fam
+    ready, body, home, spill, fam = spilled_family(answered=False)
+    assert fam.secondary is spill and fam.warming is spill
     # Until that request's first byte: a second one there would compute the prompt again.
     again = Req(body)
     assert ready.choose(None, again) is home and not again.cold and again.warms is None
