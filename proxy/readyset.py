@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 from proxy.errors import ConfigError
 from proxy.interfaces import ConnectionPool, Policy, ReplicaView, Routable
+from proxy.placement import PlacementTable
 from proxy.policies import make_policy
 from proxy.replica import Replica
 from proxy.waiters import WaiterQueue
@@ -38,6 +39,8 @@ from proxy.wire.policies import DEFAULT_POLICY
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
 
 log = logging.getLogger("sluice.proxy")
+
+PLACEMENT_STALE = 2.0  # s without a placement refresh before the sweeper does one
 
 
 class ReadySet:
@@ -156,6 +159,14 @@ class ReadySet:
 
     def remove_waiter(self, wake: Callable[[], None]) -> None:
         self._waiters.discard(wake)
+
+    def refresh_placement(self, now: float) -> None:
+        """The prefix policy's placement table refreshed (its clock, expiries, capacities)
+        when nothing did for `PLACEMENT_STALE` seconds: the shared-placement task does it
+        each second, but it is absent without Redis and stalled while Redis is down."""
+        table = getattr(self.policy, "placement", None)
+        if isinstance(table, PlacementTable) and now - table.now >= PLACEMENT_STALE:
+            table.refresh(now)
 
     def sweep(self) -> None:
         """Close the pools of replicas gone longer than the grace with nothing in flight."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from functools import partial
 
@@ -122,6 +123,8 @@ class ServerContext:
             if streams_too or ex is None or ex.state != STREAMING:
                 conn.tick(now)
         self.ready_set.sweep()
+        if streams_too:  # once a second
+            self.ready_set.refresh_placement(time.time())
         open_now = self.stats.connections_open = len(self.connections)
         if self.at_capacity and open_now < self.max_connections * 0.9:
             self.at_capacity = False
