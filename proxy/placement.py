@@ -31,10 +31,13 @@ one more replica only when its own is saturated), else to a new secondary chosen
 as above (the overflow moves to the least loaded). While the first request this
 proxy spilled to a new secondary has no response byte yet (`Family.warming`: that
 replica is still computing the prompt), the overflow stays at the primary: a second
-request there would compute the prompt again, both stalling its batch. A primary
-that left the set is replaced (the family moves).
+request there would compute the prompt again, both stalling its batch. With shared
+placement the other proxies wait for it too (`adopt_spills`, `adopt_warm`); a wait
+ends after WARM_HOLD at the latest. A primary that left the set is replaced (the
+family moves).
 Secondaries unused for `ttl / 4` and families unused for `ttl` are dropped by
-`refresh()` (called off the request path, about once a second); the table
+`refresh()` (called off the request path about once a second: by the shared-placement
+task, else by the sweeper, ReadySet.refresh_placement); the table
 holds at most `max_families` (oldest use first out).
 
 Shared placement (proxy/sources/redis.py): every family this proxy placed is
@@ -63,13 +66,15 @@ from proxy.interfaces import ReplicaView
 
 DEFAULT_CAPACITY = 4  # families a replica holds when neither engine nor config says
 DEFAULT_TTL = 300.0  # s; about an engine's prompt-cache lifetime under load
+WARM_HOLD = 5.0  # s; a family's overflow waits for its new secondary's first answer at most
 MAX_OUTBOX = 4096
 
 
 class Family:
     """One family's replicas: `primary` (where it is placed), `secondary` (its spill)."""
 
-    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used", "warming")
+    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used", "warming",
+                 "warming_at")
 
     def __init__(self, primary: ReplicaView, now: float) -> None:
         self.primary = primary
@@ -79,11 +84,13 @@ class Family:
         # The primary this proxy had before adopting another proxy's: the longest-prefix
         # memory's entries pointing there are stale (proxy/prefix.py skips them).
         self.moved_from: ReplicaView | None = None
-        # A secondary this proxy just chose, still computing the family's prompt for the
-        # first request it sent there (the exchange clears it at that request's first byte
-        # or its end; refresh() at the latest): the overflow waits at the primary meanwhile
-        # (PrefixPolicy._choose_placed).
+        # A secondary just chosen (here, or by another proxy: `adopt_spills`), still
+        # computing the family's prompt for the first request sent there: the overflow
+        # waits at the primary meanwhile (PrefixPolicy._choose_placed). Cleared at that
+        # request's first byte or its end (the exchange here, `adopt_warm` elsewhere), or
+        # by refresh() once older than WARM_HOLD (`warming_at`).
         self.warming: ReplicaView | None = None
+        self.warming_at = 0.0
 
 
 def engine_capacity(replica: ReplicaView, window_tokens: int, default: int) -> int:
@@ -118,6 +125,9 @@ class PlacementTable:
         self.spill_outbox: list[tuple[int, str, bool]] = []
         # (a deep block of a request that spilled, its replica URL) likewise.
         self.turn_outbox: list[tuple[int, str]] = []
+        # family -> (its entry, the new secondary) this proxy spilled to and whose first
+        # answer the other proxies wait for (`take_warmed` tells them once it came).
+        self.warming_spills: dict[int, tuple[Family, ReplicaView]] = {}
         # A coarse clock, set by refresh(): no clock read on the request path.
         self.now = time.time()
 
@@ -159,11 +169,25 @@ class PlacementTable:
             self._uncount(fam.primary)
             dropped += 1
         spill_cut = now - self.ttl / 4
+        warm_cut = now - WARM_HOLD
         for fam in families.values():
-            fam.warming = None  # a bound: an answer lost on the way waits a second at most
+            if fam.warming is not None and fam.warming_at < warm_cut:
+                fam.warming = None  # a bound: an answer lost on the way (or a stuck replica)
             if fam.secondary is not None and fam.secondary_used < spill_cut:
                 fam.secondary = None
+        for fam, _ in self.warming_spills.values():  # including families dropped since
+            if fam.warming_at < warm_cut:
+                fam.warming = None
         return dropped
+
+    def take_warmed(self) -> list[tuple[int, str]]:
+        """(family, secondary URL) of the spills this proxy waited on whose first answer
+        came (or that were let go) since the last call: the other proxies stop waiting."""
+        done = [(fid, r) for fid, (fam, r) in self.warming_spills.items()
+                if fam.warming is not r]
+        for fid, _ in done:
+            del self.warming_spills[fid]
+        return [(fid, r.url) for fid, r in done]
 
     def adopt(self, entries: Iterable[tuple[int, str, float]]) -> int:
         """Merge placements other proxies published (family, URL, when placed).
@@ -210,9 +234,29 @@ class PlacementTable:
             if (at < cut or fam is None or fam.primary is replica
                     or replica.left_at is not None):
                 continue
+            if fam.secondary is not replica and at >= now - WARM_HOLD:
+                # Just chosen by another proxy: its first request there computes the
+                # prompt; the overflow here waits for it too (until `adopt_warm`).
+                fam.warming = replica
+                fam.warming_at = at
             fam.secondary = replica
             if fam.secondary_used < at:
                 fam.secondary_used = at
+        return skipped
+
+    def adopt_warm(self, entries: Iterable[tuple[int, str, float]]) -> int:
+        """The first answer came from these new secondaries (family, URL, when), sent by
+        the proxies that spilled there: the overflow may follow. An entry naming a replica
+        not in the set is skipped; returns how many were."""
+        skipped = 0
+        for fid, url, _ in entries:
+            replica = self.by_url.get(url)
+            if replica is None:
+                skipped += 1
+                continue
+            fam = self.families.get(fid)
+            if fam is not None and fam.warming is replica:
+                fam.warming = None
         return skipped
 
     # -- on the request path --------------------------------------------------------------
@@ -276,8 +320,11 @@ class PlacementTable:
         fam.secondary = replica
         fam.secondary_used = self.now
         fam.warming = replica
+        fam.warming_at = self.now
         if len(self.spill_outbox) < MAX_OUTBOX:
             self.spill_outbox.append((fid, replica.url, moved))
+            if len(self.warming_spills) < MAX_OUTBOX:
+                self.warming_spills[fid] = (fam, replica)
 
     def spilled_turn(self, block: int, replica: ReplicaView) -> None:
         """A request whose key holds `block` (last but one) spilled to `replica` (queued)."""

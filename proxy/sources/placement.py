@@ -28,6 +28,13 @@ request path:
   the conversation's next turn, whichever proxy it reaches, follows its history
   to the spill replica instead of its family's primary. A proxy that missed the
   message routes that turn by family, as before.
+- **warming secondaries**: a proxy that adopts a secondary another proxy chose
+  less than `WARM_HOLD` (5 s) ago holds the family's overflow at its primary, as
+  the spilling proxy itself does, until that proxy's first request there has its
+  first response byte (the replica has the prompt): the spilling proxy then
+  announces it on the channel (line `w<family hex> <at> <url>`, not stored).
+  A lost announcement holds the overflow `WARM_HOLD` at most. (A proxy of a
+  release before this counts `w` lines as malformed, like `t` lines before them.)
 - **follow**: the task subscribes to that channel; and every `scan_interval`
   (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
   next tick), adopting what it missed (a proxy that just started, a lost
@@ -74,6 +81,7 @@ MAX_FIELD = 8  # hex digits: families are 32-bit
 MAX_VALUE = 2100  # a time and a URL of at most 2048 bytes
 SPILL = b"s"  # field prefix of a family's secondary
 TURN = b"t"  # line prefix of a spilled turn's block (channel only; not hex, like "s")
+WARM = b"w"  # line prefix of a new secondary's first answer (channel only)
 
 
 def encode_entry(at: float, url: str) -> bytes:
@@ -87,13 +95,14 @@ def spill_field(fid: int) -> str:
 def parse_entry(field: bytes | str,
                 value: bytes | str) -> tuple[int, float, str, bytes] | None:
     """(family or block, at, url, kind) of one entry, or None when it is malformed; kind:
-    b"" a primary, SPILL a secondary, TURN a spilled turn's block."""
+    b"" a primary, SPILL a secondary, TURN a spilled turn's block, WARM a secondary's
+    first answer."""
     if isinstance(field, str):
         field = field.encode()
     if isinstance(value, str):
         value = value.encode()
     kind = field[:1]
-    if kind == SPILL or kind == TURN:
+    if kind == SPILL or kind == TURN or kind == WARM:
         field = field[1:]
     else:
         kind = b""
@@ -116,27 +125,36 @@ def parse_entry(field: bytes | str,
 Entries = list[tuple[int, str, float]]  # (family or block, url, at)
 
 
-def parse_lines(payload: bytes) -> tuple[Entries, Entries, Entries, int]:
-    """A `placed` message: lines of "<field> <at> <url>"; (primaries, secondaries,
-    spilled turns, skipped)."""
+class Lines:
+    """A parsed `placed` message, by kind (each entry: family or block, url, at)."""
+
+    __slots__ = ("entries", "skipped", "spills", "turns", "warm")
+
+    def __init__(self) -> None:
+        self.entries: Entries = []  # primaries
+        self.spills: Entries = []  # secondaries
+        self.turns: Entries = []  # spilled turns' blocks
+        self.warm: Entries = []  # secondaries' first answers
+        self.skipped = 0
+
+
+def parse_lines(payload: bytes) -> Lines:
+    """A `placed` message: lines of "<field> <at> <url>", malformed ones counted."""
+    out = Lines()
     if len(payload) > MAX_MESSAGE:
-        return [], [], [], 1
-    entries: Entries = []
-    spills: Entries = []
-    turns: Entries = []
-    skipped = 0
+        out.skipped = 1
+        return out
+    by_kind = {b"": out.entries, SPILL: out.spills, TURN: out.turns, WARM: out.warm}
     for line in payload.split(b"\n"):
         if not line:
             continue
         field, _, value = line.partition(b" ")
         parsed = parse_entry(field, value)
         if parsed is None:
-            skipped += 1
+            out.skipped += 1
             continue
-        kind = parsed[3]
-        out = entries if not kind else spills if kind == SPILL else turns
-        out.append((parsed[0], parsed[2], parsed[1]))
-    return entries, spills, turns, skipped
+        by_kind[parsed[3]].append((parsed[0], parsed[2], parsed[1]))
+    return out
 
 
 class PlacementSync:
@@ -208,19 +226,22 @@ class PlacementSync:
                 data = msg.get("data")
                 if not isinstance(data, bytes):
                     continue
-                entries, spills, turns, skipped = parse_lines(data)
+                lines = parse_lines(data)
                 self.adopted_messages += 1
-                self._adopt(entries, skipped, spills, turns)
+                self._adopt(lines.entries, lines.skipped, lines.spills, lines.turns,
+                            lines.warm)
         finally:
             await pubsub.aclose()
 
     def _adopt(self, entries: Iterable[tuple[int, str, float]], skipped: int,
                spills: Iterable[tuple[int, str, float]] = (),
-               turns: Entries | None = None) -> None:
+               turns: Entries | None = None, warm: Entries | None = None) -> None:
         table = self.table()
         if table is not None:
             skipped += table.adopt(entries)
             skipped += table.adopt_spills(spills)  # after: a spill needs its primary
+            if warm:
+                skipped += table.adopt_warm(warm)
             if turns:
                 learn = getattr(self._ready_set.policy, "learn", None)
                 if learn is not None:
@@ -244,6 +265,11 @@ class PlacementSync:
             turns, table.turn_outbox = table.turn_outbox, []
             await self._client.publish(self._channel, b"\n".join(
                 f"t{block:x} ".encode() + encode_entry(now, url) for block, url in turns))
+        if table.warming_spills:
+            warmed = table.take_warmed()
+            if warmed:
+                await self._client.publish(self._channel, b"\n".join(
+                    f"w{fid:x} ".encode() + encode_entry(now, url) for fid, url in warmed))
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             table.refresh(now)
@@ -313,7 +339,7 @@ class PlacementSync:
                 expired.append(field)  # a hostile or broken entry goes
                 continue
             fid, at, url, kind = parsed
-            if kind == TURN:  # never stored: a hostile entry
+            if kind == TURN or kind == WARM:  # never stored: a hostile entry
                 skipped += 1
                 expired.append(field)
                 continue

@@ -1,19 +1,24 @@
 """Placement of prompt families by load and free cache capacity (proxy/placement.py,
 the `prefix` policy's default `placement: capacity`): capacity respected, new families
 spread by load, a saturated replica's family spills to one more replica, a family
-whose replica left moves, stale families expire, other proxies' placements adopted."""
+whose replica left moves, stale families expire (refreshed by the sweeper when no shared
+placement task does), other proxies' placements adopted."""
 
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
 from controlplane.servicespec.service import PrefixRouting
-from proxy.placement import Family, PlacementTable
+from proxy.config import ProxyConfig
+from proxy.placement import WARM_HOLD, Family, PlacementTable
 from proxy.prefix import SPILL
-from proxy.readyset import ReadySet
+from proxy.readyset import PLACEMENT_STALE, ReadySet
 from proxy.replica import Replica
+from proxy.server import STREAM_SWEEP_EVERY, ServerContext
+from proxy.stats import Stats
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
 from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat
@@ -167,12 +172,16 @@ def test_the_overflow_waits_at_the_primary_while_a_new_secondary_computes_the_pr
     assert ready.choose(None, again) is home and not again.cold and again.warms is None
     fam.warming = None  # the first byte (Exchange.prefilled)
     assert ready.choose(None, Req(body)) is spill
-    # An answer lost on the way: the table's refresh (about once a second) lets go.
+    # An answer lost on the way (or a replica stuck on it): the table's refresh lets go
+    # once the wait is WARM_HOLD old, not before (a cold prompt may take seconds).
     home.inflight, spill.inflight = 6, 6
     third = ready.choose(None, Req(body))
     assert third not in (None, home, spill) and fam.warming is third
     assert ready.choose(None, Req(body)) is home
-    ready.policy.placement.refresh(ready.policy.placement.now)  # type: ignore[attr-defined]
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(table.now + WARM_HOLD - 0.5)
+    assert ready.choose(None, Req(body)) is home
+    table.refresh(table.now + 1.0)
     assert ready.choose(None, Req(body)) is third
 
 
@@ -316,3 +325,41 @@ def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
     ])
     assert skipped == 1
     assert lru[key[-2]] is spill and lru[77] is other and 78 not in lru and 79 not in lru
+
+
+async def test_without_a_shared_placement_task_the_sweeper_refreshes_the_table() -> None:
+    """No Redis source (or Redis down): nothing else advances the table's clock, so a
+    wait for a lost answer, secondaries and families would never expire."""
+    ready, body, home, spill, fam = spilled_family(answered=False)
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.now = fam.warming_at = time.time() - WARM_HOLD - 1  # its last refresh: long ago
+    ctx = ServerContext(ProxyConfig(), ready, Stats(), b"http")
+    for _ in range(STREAM_SWEEP_EVERY):  # a second of sweeper ticks
+        ctx.tick()
+    assert table.now >= time.time() - 5 and fam.warming is None
+    home.inflight, spill.inflight = 6, 0
+    assert ready.choose(None, Req(body)) is spill
+    # A table refreshed within PLACEMENT_STALE is left to whoever refreshes it.
+    before = table.now = time.time() - PLACEMENT_STALE / 2
+    for _ in range(STREAM_SWEEP_EVERY):
+        ctx.tick()
+    assert table.now == before
+
+
+def test_a_spill_whose_first_answer_came_is_announced_once() -> None:
+    ready, body, home, spill, fam = spilled_family(answered=False)
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    fid = family_of(ready, body)
+    assert table.take_warmed() == []  # still computing the prompt: the others wait
+    fam.warming = None  # its first byte (Exchange.prefilled)
+    assert table.take_warmed() == [(fid, spill.url)]
+    assert table.take_warmed() == []
+    # A family dropped while it waited (evicted, expired) is let go by the hold's bound.
+    home.inflight, spill.inflight = 6, 6
+    third = ready.choose(None, Req(body))
+    assert third not in (None, home, spill) and fam.warming is third
+    del table.families[fid]
+    table.refresh(table.now + 1.0)
+    assert table.take_warmed() == []
+    table.refresh(table.now + WARM_HOLD)
+    assert table.take_warmed() == [(fid, third.url)] and not table.warming_spills

@@ -20,7 +20,7 @@ from controlplane.redisserver import EmbeddedRedis
 from controlplane.states import ReplicaStatus
 from controlplane.store import Store
 from proxy.config import ProxyConfig
-from proxy.placement import PlacementTable
+from proxy.placement import WARM_HOLD, PlacementTable
 from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
@@ -214,9 +214,35 @@ async def test_a_spill_one_proxy_chose_is_where_the_other_spills(two: list[Proxy
     assert spill is not None and spill.url == others[0]
     await until(lambda: secondary_url(b, fid) == others[0], what="b to learn a's spill")
     # b: saturated too, and others[0] is busier there than the others: b alone would
-    # spill to others[1]; the shared secondary is within the bound, so b spills there.
+    # spill to others[1]. But a's request there still computes the prompt (no first
+    # byte yet): b's overflow waits at the primary, as a's own does.
     set_loads(b, {home: 6, others[0]: 2, others[1]: 0, others[2]: 1})
+    held = Req(body)
+    assert b.choose(None, held).url == home and not held.cold  # type: ignore[union-attr]
+    assert table(b).families[fid].warming.url == others[0]  # type: ignore[union-attr]
+    # a's request has its first byte (Exchange.prefilled): a tells the others, and b's
+    # overflow goes to the shared secondary, within its bound.
+    table(a).families[fid].warming = None
+    await until(lambda: table(b).families[fid].warming is None,
+                what="b to learn that the spill replica answered")
     assert b.choose(None, Req(body)).url == others[0]  # type: ignore[union-attr]
+
+
+async def test_a_secondary_adopted_long_after_it_was_chosen_is_not_held(
+    two: list[Proxy],
+) -> None:
+    (_, a, _), (_, b, _) = two
+    body = bodies(1, seed=113)[0]
+    fid, home = await placed_on_both(a, b, body)
+    fourth = next(r for r in b.replicas if r.url != home)
+    # A secondary another proxy wrote WARM_HOLD ago (found by the scan, say): whatever
+    # its first request became, it is not waited for.
+    tb = table(b)
+    tb.adopt_spills([(fid, fourth.url, tb.now - WARM_HOLD - 1)])
+    assert tb.families[fid].secondary is fourth and tb.families[fid].warming is None
+    fresh = next(r for r in b.replicas if r.url not in (home, fourth.url))
+    tb.adopt_spills([(fid, fresh.url, tb.now)])
+    assert tb.families[fid].secondary is fresh and tb.families[fid].warming is fresh
 
 
 async def test_two_proxies_spilling_one_family_at_once_converge(
@@ -305,6 +331,45 @@ async def test_hostile_spill_entries_are_skipped_counted_and_deleted(
     spill = a.choose(None, Req(body))
     assert spill is not None and spill.url != home
     await until(lambda: secondary_url(b, fid) == spill.url, what="b to learn the spill")
+
+
+async def test_hostile_warm_lines_are_skipped_and_release_nothing(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, a, stats), (_, b, stats_b) = two
+    keys = Keys(redis_prefix)
+    body = bodies(1, seed=117)[0]
+    fid, home = await placed_on_both(a, b, body)
+    set_loads(a, {r.url: 6 if r.url == home else 1 for r in a.replicas})
+    spill = a.choose(None, Req(body))
+    assert spill is not None and spill.url != home
+    await until(lambda: secondary_url(b, fid) == spill.url, what="b to learn the spill")
+    other = next(r.url for r in a.replicas if r.url not in (home, spill.url))
+    now = time.time()
+    # "The first answer came" from replicas that are not the one waited for, from one
+    # outside the set (counted), and malformed lines (counted): b keeps waiting.
+    seen = stats_b.placements_skipped
+    await redis_client.publish(keys.placed("svc"), "\n".join([
+        f"w{fid:x} {now:.3f} {other}",
+        f"w{fid:x} {now:.3f} {home}",
+        f"w{fid:x} {now:.3f} http://evil.example:1",
+        f"w{fid + 1:x} {now:.3f} {spill.url}",  # another family
+        f"wzz {now:.3f} {spill.url}",
+        f"w123456789 {now:.3f} {spill.url}",
+        f"ww{fid:x} {now:.3f} {spill.url}",
+        f"w{fid:x} nan {spill.url}",
+    ]).encode())
+    await until(lambda: stats_b.placements_skipped >= seen + 5, what="the lines counted")
+    assert table(b).families[fid].warming is not None
+    # Never stored: a `w` field in the hash is hostile, deleted and counted.
+    await redis_client.hset(keys.placement("svc"), f"w{fid:x}", f"{now:.3f} {spill.url}")
+    await until(lambda: _gone(redis_client, keys.placement("svc"), {f"w{fid:x}": ""}),
+                what="the stored w field deleted")
+    assert table(b).families[fid].warming is not None
+    assert stats.placements_skipped + stats_b.placements_skipped >= seen + 6
+    # The real one releases it.
+    table(a).families[fid].warming = None
+    await until(lambda: table(b).families[fid].warming is None, what="b to be released")
 
 
 async def test_a_shared_spill_whose_replica_left_the_set_is_not_followed(
