@@ -13,6 +13,7 @@ unique prompts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -74,9 +75,17 @@ def goals(w: str, per_seed: dict[int, dict[str, dict]]) -> list[str]:
     return out
 
 
-def main(paths: list[str]) -> int:
-    want_goals = "--goals" in paths
-    paths = [p for p in paths if p != "--goals"]
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Runs of one seed may be split over several files (sluice in one, the "
+               "peers in another): their targets are merged per seed.")
+    ap.add_argument("paths", nargs="+", metavar="JSON", help="bench/routing.py --json files")
+    ap.add_argument("--goals", action="store_true",
+                    help="also check issue 25's goals per seed (see above)")
+    args = ap.parse_args(argv)
+    want_goals = args.goals
+    paths = args.paths
     groups: dict[str, list[dict]] = defaultdict(list)
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -85,7 +94,7 @@ def main(paths: list[str]) -> int:
                                                   "time_scale", "sluice_args"))
         groups[key].append(data)
     for key, runs in groups.items():
-        seeds = sorted(r["args"]["seed"] for r in runs)
+        seeds = sorted({r["args"]["seed"] for r in runs})
         workloads: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         for r in runs:
             for w, per in r["summaries"].items():
@@ -105,7 +114,9 @@ def main(paths: list[str]) -> int:
                       f"| {cell([100 * s['hit_rate'] for s in ss], '{:.1f}')} "
                       f"| {cell([s['imbalance'] for s in ss], '{:.2f}')} |")
             if want_goals:
-                per_seed = {r["args"]["seed"]: r["summaries"].get(w, {}) for r in runs}
+                per_seed: dict[int, dict[str, dict]] = defaultdict(dict)
+                for r in runs:  # a seed's targets may come from several files
+                    per_seed[r["args"]["seed"]].update(r["summaries"].get(w, {}))
                 print()
                 print("\n".join(goals(w, per_seed)))
     return 0
