@@ -263,17 +263,20 @@ class PlacementSync:
             await self._publish(table, now)
         if table.turn_outbox:
             turns, table.turn_outbox = table.turn_outbox, []
-            await self._client.publish(self._channel, b"\n".join(
-                f"t{block:x} ".encode() + encode_entry(now, url) for block, url in turns))
+            await self._announce(TURN, turns, now)
         if table.warming_spills:
             warmed = table.take_warmed()
             if warmed:
-                await self._client.publish(self._channel, b"\n".join(
-                    f"w{fid:x} ".encode() + encode_entry(now, url) for fid, url in warmed))
+                await self._announce(WARM, warmed, now)
         if now >= self._next_scan:
             self._next_scan = now + self._scan_interval
             table.refresh(now)
             await self._scan(table, now)
+
+    async def _announce(self, kind: bytes, items: list[tuple[int, str]], now: float) -> None:
+        """Lines of `kind` (TURN, WARM) on the channel only, never stored."""
+        await self._client.publish(self._channel, b"\n".join(
+            kind + f"{key:x} ".encode() + encode_entry(now, url) for key, url in items))
 
     async def _publish(self, table: PlacementTable, now: float) -> None:
         box, table.outbox = table.outbox, []
