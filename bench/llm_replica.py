@@ -9,8 +9,12 @@ so the results barely depend on the CPU the benchmark runs on.
   the next turn's when the text is.
 - Prefix cache: blocks of 16 tokens keyed by the hash chain of the prefix
   (block i's key covers blocks 0..i, as vLLM's), LRU eviction, a capacity in
-  tokens. A request's cached tokens are its leading blocks found in the cache;
-  at the end of a request its prompt and output blocks are cached.
+  tokens. A request's cached tokens are its leading blocks found in the cache
+  when the engine first schedules its prefill, not when it arrives; the blocks a
+  step prefills are cached as the step is scheduled, and at the end of a request
+  its output blocks too. So a second request for a prompt the engine is still
+  prefilling hits, as in vLLM v1 (its KV cache manager caches the full blocks it
+  allocates for a step, and a waiting request is matched when scheduled).
 - Continuous batching: at most ``max_batch`` running sequences, the rest wait
   in a FIFO queue; each step prefills up to ``prefill_budget`` uncached
   tokens (chunked prefill) and decodes one token for every running sequence
@@ -92,7 +96,7 @@ class Seq:
     prompt: list[bytes]
     max_tokens: int
     out_words: list[str]
-    cached: int = 0
+    cached: int = -1  # -1: not scheduled yet (matched against the cache then)
     prefilled: int = 0
     generated: int = 0
     keys: list[bytes] = field(default_factory=list)
@@ -141,16 +145,20 @@ class Engine:
         self.busy = 0.0  # modelled seconds spent in steps
 
     def submit(self, seq: Seq) -> None:
-        keys = seq.keys = block_keys(seq.prompt)
+        seq.keys = block_keys(seq.prompt)
+        self.requests += 1
+        self.waiting.append(seq)
+        self.wake.set()
+
+    def schedule(self, seq: Seq) -> None:
+        """`seq` gets its first prefill budget: its leading blocks found in the cache now
+        (including those a prefill scheduled before it in this step caches) are cached."""
         # The last prompt token is always computed (as in vLLM): at most all but one block.
-        matched = min(self.cache.match(keys), max(0, (len(seq.prompt) - 1) // BLOCK_TOKENS))
+        matched = min(self.cache.match(seq.keys), max(0, (len(seq.prompt) - 1) // BLOCK_TOKENS))
         seq.cached = matched * BLOCK_TOKENS
         seq.prefilled = seq.cached
         self.queries += len(seq.prompt)
         self.hits += seq.cached
-        self.requests += 1
-        self.waiting.append(seq)
-        self.wake.set()
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -165,6 +173,10 @@ class Engine:
             decoding = 0
             finishing_prefill = []
             for seq in self.running:
+                if seq.cached < 0:
+                    if budget <= 0:
+                        continue
+                    self.schedule(seq)
                 left = len(seq.prompt) - seq.prefilled
                 if left > 0:
                     if budget <= 0:
@@ -173,6 +185,9 @@ class Engine:
                     budget -= take
                     prefill += take
                     seq.prefilled += take
+                    # Cached as scheduled (vLLM v1): a request scheduled after this one,
+                    # in this step or a later one, finds these blocks.
+                    self.cache.insert(seq.keys[:seq.prefilled // BLOCK_TOKENS])
                     if seq.prefilled >= len(seq.prompt):
                         finishing_prefill.append(seq)
                 else:
@@ -183,7 +198,6 @@ class Engine:
             done = []
             for seq in self.running:
                 if seq in finishing_prefill:
-                    self.cache.insert(seq.keys)  # computed blocks are reusable at once
                     seq.generated = 1
                     seq.queue.put_nowait((1, seq.generated >= seq.max_tokens))
                 elif seq.prefilled >= len(seq.prompt):
@@ -269,13 +283,14 @@ class Replica:
         self.engine.submit(seq)
         usage = {"prompt_tokens": len(tokens), "completion_tokens": max_tokens,
                  "total_tokens": len(tokens) + max_tokens,
-                 "prompt_tokens_details": {"cached_tokens": seq.cached}}
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # known once scheduled
         chat = "messages" in body
         if not body.get("stream"):
             while True:
                 _, last = await seq.queue.get()
                 if last:
                     break
+            usage["prompt_tokens_details"] = {"cached_tokens": seq.cached}
             text = " ".join(words)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                        "finish_reason": "length"} if chat
@@ -296,6 +311,7 @@ class Replica:
             chunk = {"id": "sim", "object": "chat.completion.chunk", "model": "sim",
                      "choices": [delta]}
             if last:
+                usage["prompt_tokens_details"] = {"cached_tokens": seq.cached}
                 chunk["usage"] = usage
                 delta["finish_reason"] = "length"
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
