@@ -155,7 +155,7 @@ class _ProxyCommand(click.Command):
               help="prefix policy: a replica holding N requests more than the mean in "
                    "flight takes no more of a known prefix's requests either, on any "
                    "number of replicas (0: no such bound). N is the fleet's: with K "
-                   "proxies on Redis each applies N / K to its own requests (with "
+                   "proxies on Redis each applies N / sqrt(K) to its own requests (with "
                    "--fleet-load, all of N to every proxy's). "
                    f"[default: {PREFIX_DEFAULTS.spill_margin}]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",

@@ -134,8 +134,8 @@ def prefix_metrics(policy: Any, worker: str) -> Iterator[Metric]:
         return
     margin = GaugeMetricFamily(
         "sluice_prefix_spill_margin", "Requests above the mean in flight a known family's "
-        "replica may hold on this proxy before its overflow spills: spill_margin split "
-        "among the proxies sharing the fleet (0: off)", labels=["worker"])
+        "replica may hold on this proxy before its overflow spills: spill_margin over the "
+        "square root of the proxies sharing the fleet (0: off)", labels=["worker"])
     margin.add_metric([worker], policy.spill_margin)
     yield margin
     placement = getattr(policy, "placement", None)

@@ -231,9 +231,12 @@ class PrefixPolicy:
 
     def set_proxies(self, n: int) -> None:
         """`n` proxies share the fleet (the Redis source, once a second): each judges its own
-        ~1/n of the requests, so each applies 1/n of `spill_margin` (at least 1)."""
+        ~1/n of the requests, so its count of a replica's excess over the mean is ~1/n of
+        the fleet's, plus noise of about its square root. Each applies `spill_margin` /
+        sqrt(n), rounded up (at least 1): with 1/n, the noise alone spilled a family on
+        one of 4 proxies, and its hit rate fell (bench/README.md, "spill_margin 8")."""
         if self._fleet_margin:
-            self._margin = max(1, -(-self._fleet_margin // max(1, n)))
+            self._margin = max(1, math.ceil(self._fleet_margin / math.sqrt(max(1, n))))
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)

@@ -152,7 +152,7 @@ class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     session_header: Annotated[str, Meta(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")] = "X-Session-Id"
     user_field: bool = False
     epsilon: PosFloat = 3.0
-    spill_margin: Annotated[int, Meta(ge=0, le=1 << 20)] = 16
+    spill_margin: Annotated[int, Meta(ge=0, le=1 << 20)] = 8
     lru_size: Annotated[int, Meta(ge=0, le=1 << 22)] = 16384
     placement: Literal["auto", "capacity", "rendezvous"] = "auto"
     replica_families: Annotated[int, Meta(ge=0, le=1 << 16)] = 0

@@ -53,7 +53,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     session_header: str = "X-Session-Id"
     user_field: bool = False
     epsilon: float = 3.0
-    spill_margin: int = 16
+    spill_margin: int = 8
     lru_size: int = 16384
     placement: str = "auto"
     replica_families: int = 0

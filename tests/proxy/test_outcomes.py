@@ -360,7 +360,7 @@ async def test_all_four_cells_on_a_llama_format_engine(
     assert total(samples, "sluice_prefix_engine_reports_total", [engine.url]) == 5
     # Without placement (no Redis: rendezvous) there is no family table to show.
     assert not [s for s in samples if s[0] == "sluice_prefix_families"]
-    assert metric(samples, "sluice_prefix_spill_margin") == 16  # alone: the whole margin
+    assert metric(samples, "sluice_prefix_spill_margin") == 8  # alone: the whole margin
 
 
 async def test_vllm_format_with_placement_counts_families_and_usage_reports(

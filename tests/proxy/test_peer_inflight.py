@@ -114,17 +114,17 @@ async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
         return ready_set.policy.spill_margin  # type: ignore[attr-defined, no-any-return]
 
     try:
-        assert margin() == 16  # alone
+        assert margin() == 8  # alone
         await redis_client.hset(key, mapping={
             "peer-a:1": entry({url: 1}), "peer-b:2": entry({url: 1}),
             "peer-c:3": entry({url: 1}, at=time.time() - PEER_FRESH - 60),  # stopped
             "peer-d:4": b"not json"})  # fmt: skip
-        # 3 proxies: ceil(16 / 3) = 6 each. With --fleet-load the loads are the fleet's:
-        # the whole margin.
-        want = 16 if fleet_load else 6
+        # 3 proxies: ceil(8 / sqrt(3)) = 5 each. With --fleet-load the loads are the
+        # fleet's: the whole margin.
+        want = 8 if fleet_load else 5
         await until(lambda: margin() == want, what=f"margin {want}")
         await redis_client.hdel(key, "peer-a:1", "peer-b:2")
-        await until(lambda: margin() == 16, what="alone again")
+        await until(lambda: margin() == 8, what="alone again")
     finally:
         await source.aclose()
         ready_set.close()

@@ -472,20 +472,20 @@ def test_a_known_prefix_spills_where_it_spilled_before() -> None:
 def test_a_known_prefix_leaves_a_replica_spill_margin_above_the_mean(placement: str) -> None:
     # The default epsilon 3 puts no bound on 4 replicas ((1 + 3) x the mean is all that is
     # in flight): the margin does. Its family's replica alone loaded, holding L requests:
-    # skipped once L >= ceil((L + 1) / 4) + 16, so at 22 (6 + 16), not at 21 (6 + 16 > 21).
+    # skipped once L >= ceil((L + 1) / 4) + 8, so at 11 (3 + 8), not at 10 (3 + 8 > 10).
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement=placement)))
     body = bodies(1, seed=31)[0]
     top = ready.choose(None, Req(body))
     assert top is not None
-    top.inflight = 21
+    top.inflight = 10
     assert ready.choose(None, Req(body)) is top
-    top.inflight = 22
+    top.inflight = 11
     spilled = ready.choose(None, Req(body))
     assert spilled is not None and spilled is not top
     assert ready.policy.routed[spilled.url][SPILL] == 1  # type: ignore[attr-defined]
-    # With the others loaded the mean rises, and so does the bound: 22 + 3 x 10 in flight,
-    # ceil(53 / 4) + 16 = 30 > 22, the family stays.
+    # With the others loaded the mean rises, and so does the bound: 11 + 3 x 10 in flight,
+    # ceil(42 / 4) + 8 = 19 > 11, the family stays.
     for r in ready.replicas:
         if r is not top:
             r.inflight = 10
