@@ -151,8 +151,8 @@ class Engine:
         self.wake.set()
 
     def schedule(self, seq: Seq) -> None:
-        """`seq` gets its first prefill budget: its leading blocks found in the cache now
-        (including those a prefill scheduled before it in this step caches) are cached."""
+        """`seq` gets its first prefill budget: its cached tokens are its leading blocks in
+        the cache now, including those of a prefill scheduled before it in this step."""
         # The last prompt token is always computed (as in vLLM): at most all but one block.
         matched = min(self.cache.match(seq.keys), max(0, (len(seq.prompt) - 1) // BLOCK_TOKENS))
         seq.cached = matched * BLOCK_TOKENS
