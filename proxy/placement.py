@@ -30,8 +30,10 @@ secondary while that is at or below the mean in flight (a hot family spills to
 one more replica only when its own is saturated), else to a new secondary chosen
 as above (the overflow moves to the least loaded). While the first request this
 proxy spilled to a new secondary has no response byte yet (`Family.warming`: that
-replica is still computing the prompt), the overflow stays at the primary: a second
-request there would compute the prompt again, both stalling its batch. With shared
+replica is still computing the prompt), the overflow stays at the primary: on an
+engine with one cache per slot (llama.cpp) a second request there would compute the
+prompt again, both stalling it (vLLM would match the second once the first is
+scheduled, so there the wait costs little: bench/README.md). With shared
 placement the other proxies wait for it too (`adopt_spills`, `adopt_warm`); a wait
 ends after WARM_HOLD at the latest. A primary that left the set is replaced (the
 family moves).

@@ -429,9 +429,10 @@ class PrefixPolicy:
                     continue
                 if r is fam.warming and reason == SPILL:
                     # The first request this proxy spilled there is still computing the
-                    # prompt: a second would compute it again (a cold prefill each, both
-                    # stalling that replica's batch). The overflow waits at the primary
-                    # (over the bound, not gone) until the first answers.
+                    # prompt: on a per-slot cache (llama.cpp) a second would compute it
+                    # again (a cold prefill each, both stalling that replica). The overflow
+                    # waits at the primary (over the bound, not gone) until the first
+                    # answers.
                     chosen = fam.primary
                     reason = AFFINITY
                     break
