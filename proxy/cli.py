@@ -187,8 +187,8 @@ class _ProxyCommand(click.Command):
                    "docs/engines.md).")
 @click.option("--fleet-load/--no-fleet-load", default=DEFAULTS.fleet_load, show_default=True,
               help="prefix policy: a known family's load bound also counts the requests "
-                   "the other proxies have in flight, as they wrote them at their last "
-                   "flush, up to a second old (Redis source only). Measured in "
+                   "the other proxies have in flight, as they announce them on the "
+                   "placement channel about every 100 ms (Redis source only). Measured in "
                    "docs/routing.md: it helped several proxies on a simulated vLLM fleet "
                    "and hurt on llama.cpp servers with 2 slots; measure before using it.")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,

@@ -277,9 +277,10 @@ class PlacementTable:
         for r in order:
             if r is skip or r.left_at is not None or (exclude is not None and r in exclude):
                 continue
-            # `fleet`: over the bound on the fleet's load (the other proxies' counts, up to
-            # a second old, included). Ordered on this proxy's own live counts: every proxy
-            # preferring the replica the others' last counts showed idle would herd there.
+            # `fleet`: over the bound on the fleet's load (the other proxies' counts, as
+            # they last announced them, included). Ordered on this proxy's own live counts:
+            # every proxy preferring the replica the others' counts showed idle would herd
+            # there.
             load = r.inflight + r.engine_queue
             over = (load + r.peer_inflight if fleet else load) >= bound
             load += r.prefilling  # a cold prefill in flight counts twice in the order

@@ -27,9 +27,9 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   ceil((1 + epsilon) x (in flight + 1) / replicas) requests, or `spill_margin`
   more than that mean (whichever is fewer), is skipped (consistent hashing with
   bounded loads; with --fleet-load, for a known prefix,
-  in flight through every proxy: the Redis source sets the other proxies' counts,
-  `peer_inflight`, once a second; a new prefix is judged on this proxy's own live
-  counts, see `_capacity`); hot prefixes spill to their second
+  in flight through every proxy: the shared placement sets the other proxies' counts,
+  `peer_inflight`, as they announce them about every 100 ms; a new prefix is judged on
+  this proxy's own live counts, see `_capacity`); hot prefixes spill to their second
   choice, and keep spilling to where they spilled before while it has room
   (so a hot prefix is cached on two replicas, not on all). A prefix this
   proxy never routed may not take a replica above the mean in flight (so
@@ -527,11 +527,11 @@ class PrefixPolicy:
         for one replica would queue there while the others idle (measured:
         bench/README.md, "A margin above the mean").
         A replica's load is its in-flight requests plus, with --engine-load, the requests
-        waiting in its engine; for a known prefix also the other proxies' in flight at
-        their last flush (`peer_inflight`: 0 unless --fleet-load). Without those each of N proxies
+        waiting in its engine; for a known prefix also the other proxies' in flight as they
+        last announced it (`peer_inflight`: 0 unless --fleet-load). Without those each of N proxies
         judges its own 1/N share: about 2 requests each where one proxy would see 8, and
         the rounded-up bound spills a family's second request to a cold replica. A new
-        prefix stays on this proxy's own live counts: with the others' (up to a second
+        prefix stays on this proxy's own live counts: with the others' (then up to a second
         old) in its bound and order, every proxy would send unshared traffic to the
         replica that looked idle a second ago (measured: bench/README.md).
         """

@@ -111,8 +111,9 @@ class Replica:
         # Set off the request path (proxy/sources/redis.py); policies may read it.
         self.engine: EngineStats | None = None
         self.engine_queue = 0  # its `waiting`, with --engine-load; least_load/p2c add it
-        # Requests the other proxies had in flight here at their last flush (--fleet-load,
-        # proxy/sources/redis.py; else 0); the prefix policy's load bound adds it.
+        # Requests the other proxies have in flight here, as they last announced them
+        # (--fleet-load: proxy/sources/placement.py, ~100 ms old; else 0); the prefix
+        # policy's load bound adds it.
         self.peer_inflight = 0
         # Of `inflight`, requests this proxy sent as a predicted cold prefill (the prefix
         # policy's miss) whose response has not begun: placement avoids piling a second

@@ -35,9 +35,10 @@ or it stopped scraping); `/metrics` re-exports it. It also HGETALLs the in-fligh
 the number of other proxies with a fresh entry tells the `prefix` policy how many share
 the fleet (`set_proxies`: each applies its share of `spill_margin`). With `--fleet-load`
 it also sets on each replica the requests the *other* proxies had in flight there at
-their last flush (`Replica.peer_inflight`): the `prefix` policy's bound for a known
-family counts them, so with N proxies it judges the fleet's load, not its own 1/N
-share. When a request is held because the
+their last flush (`Replica.peer_inflight`), leaving out the proxies heard on the placement
+channel, whose counts there are about 100 ms old (proxy/sources/placement.py adds them):
+the `prefix` policy's bound for a known family counts them, so with N proxies it judges
+the fleet's load, not its own 1/N share. When a request is held because the
 set is empty, it publishes a "demand" nudge on `{prefix}:control` at once (at most one per
 second), so a service scaled to zero starts a replica without waiting for the
 autoscaler's tick. Nothing here runs on the request path.
@@ -58,6 +59,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from zlib import crc32
 
 import msgspec
 import redis.asyncio as aioredis
@@ -197,7 +199,8 @@ class RedisSource:
         self._demand_task = asyncio.create_task(self._demand_loop(), name="sluice-demand")
         self.placement = PlacementSync(
             self._client, ready_set, self._stats, key=self._keys.placement(self._service),
-            channel=self._keys.placed(self._service), clock=self._clock)
+            channel=self._keys.placed(self._service), proxy_id=self._proxy_id,
+            loads=self._fleet_load, clock=self._clock)
         self._placement_task = asyncio.create_task(
             self.placement.run(lambda: self._closing), name="sluice-placement")
         ready_set.set_hold_listener(self._demand.set)
@@ -447,6 +450,8 @@ class RedisSource:
         fresh = 0
         if isinstance(raw, dict):
             own = self._proxy_id_bytes
+            # Proxies heard on the placement channel: their counts there are fresher.
+            heard = self.placement.heard_from if self.placement is not None else None
             cut = now - PEER_FRESH
             for n, (proxy, value) in enumerate(raw.items()):
                 if n >= MAX_PEERS:
@@ -462,7 +467,7 @@ class RedisSource:
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
                 fresh += 1
-                if self._fleet_load:
+                if self._fleet_load and (heard is None or crc32(proxy) not in heard):
                     for url, count in entry.replicas.items():
                         sums[url] = sums.get(url, 0) + count
         if bad and not self._peers_warned:
@@ -472,7 +477,9 @@ class RedisSource:
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)
-        if self._fleet_load:  # else every peer_inflight stays 0
+        if self._fleet_load and self.placement is not None:
+            self.placement.set_base(sums)  # plus the counts heard on its channel
+        elif self._fleet_load:  # else every peer_inflight stays 0
             for url, replica in self._ready_set.known.items():
                 replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
 

@@ -1,0 +1,187 @@
+"""The fleet's in-flight counts on the placement channel (`--fleet-load`,
+proxy/sources/placement.py): each proxy announces its own counts per replica, every
+other proxy sets `peer_inflight` to their sum within about 100 ms, never counting its
+own, never a proxy twice (the in-flight hash's second-old entry of a proxy heard on the
+channel is left out), and forgets a proxy gone quiet. Hostile lines are skipped and
+counted. Real redis-server, real RedisSources and ReadySets in this process; other
+proxies' lines are published as another proxy user would."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from zlib import crc32
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.store import Store
+from proxy.config import ProxyConfig
+from proxy.readyset import ReadySet
+from proxy.sources.placement import (
+    LOAD_FRESH,
+    MAX_LOAD,
+    MAX_LOAD_PEERS,
+    PlacementSync,
+    parse_lines,
+)
+from proxy.sources.redis import RedisSource
+from proxy.stats import Stats
+from proxy.wire.keys import Keys
+from tests.proxy.test_peer_inflight import entry
+from tests.proxy.test_prefix import URLS, snapshot
+from tests.support.builders import registered, replica
+from tests.support.poll import until
+
+Proxy = tuple[RedisSource, ReadySet, Stats]
+
+
+async def start(redis_url: str, redis_prefix: str, proxy_id: str, flush: float) -> Proxy:
+    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix,
+                         proxy_id=proxy_id, fleet_load=True, policy="prefix")  # fmt: skip
+    stats = Stats()
+    ready_set = ReadySet(policy_override="prefix")
+    source = RedisSource(config, stats, flush_interval=flush, backoff_max=0.1)
+    await source.start(ready_set)
+    await until(lambda: len(ready_set.replicas) == 2, what="the proxy to load the set")
+    return source, ready_set, stats
+
+
+@pytest.fixture(params=[60.0])
+async def two(request: pytest.FixtureRequest, store: Store, redis_url: str,
+              redis_prefix: str) -> AsyncIterator[list[Proxy]]:
+    """Two proxies; their in-flight hash flushed every `param` seconds (60 by default:
+    never within a test, so what one hears of the other came on the channel)."""
+    await registered(store, spec=b"{}")
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    proxies = [await start(redis_url, redis_prefix, f"proxy-{n}:1", request.param)
+               for n in "ab"]
+    yield proxies
+    for source, ready_set, _ in proxies:
+        await source.aclose()
+        ready_set.close()
+
+
+def peers(ready_set: ReadySet) -> dict[int, int]:
+    """replica -> peer_inflight, numbered from 1 in URL order."""
+    known = sorted(ready_set.known.values(), key=lambda r: r.url)
+    return {n: r.peer_inflight for n, r in enumerate(known, 1)}
+
+
+async def test_a_proxys_counts_reach_the_other_and_never_itself(two: list[Proxy]) -> None:
+    (_, a, _), (_, b, _) = two
+    one, two_ = sorted(a.replicas, key=lambda r: r.url)
+    one.inflight, two_.inflight = 3, 1
+    await until(lambda: peers(b) == {1: 3, 2: 1}, what="b to hear a's counts")
+    one.inflight = 5
+    await until(lambda: peers(b) == {1: 5, 2: 1}, what="b to hear a's change")
+    # a heard both its own messages too (the channel sends them back): never counted.
+    assert peers(a) == {1: 0, 2: 0}
+    one.inflight = two_.inflight = 0
+    await until(lambda: peers(b) == {1: 0, 2: 0}, what="b to hear a's counts drop to 0")
+
+
+@pytest.mark.parametrize("two", [0.05], indirect=True)  # the hash read every 50 ms
+async def test_a_proxy_heard_on_the_channel_is_not_counted_again_from_the_hash(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, _, _), (_, b, _) = two
+    keys = Keys(redis_prefix)
+    url = min(r.url for r in b.replicas)
+    # An older proxy writes only the hash; a new one both, its hash entry a second old.
+    await redis_client.hset(keys.inflight("svc"), mapping={
+        "old-proxy:1": entry({url: 2}), "new-proxy:1": entry({url: 7})})  # fmt: skip
+    await until(lambda: peers(b)[1] == 9, what="b to count both from the hash")
+    line = f"l{crc32(b'new-proxy:1'):x} {{now:.3f}} 3 {url}"
+
+    async def heard() -> bool:  # said again each poll, as new-proxy would every second
+        await redis_client.publish(keys.placed("svc"), line.format(now=time.time()))
+        return peers(b)[1] == 5
+
+    await until(heard, what="b to take new-proxy's count from the channel only")
+
+
+async def test_hostile_load_lines_are_skipped_and_counted(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    (_, _, _), (_, b, stats) = two
+    keys = Keys(redis_prefix)
+    url = min(r.url for r in b.replicas)
+    now = f"{time.time():.3f}"
+    seen = stats.placements_skipped
+    await redis_client.publish(keys.placed("svc"), "\n".join([
+        f"l1 {now} -3 {url}",
+        f"l1 {now} 12345678 {url}",  # more digits than any count
+        f"l1 {now} x {url}",
+        f"l1 {now} 3",  # no URL
+        f"l1 {now} 3 http://127.0.0.1:1",  # not in the set
+        f"lzz {now} 3 {url}",
+        f"l1 nan 3 {url}",
+        f"l123456789 {now} 3 {url}",
+        f"l2 {now} 4 {url}",  # the one good line
+    ]).encode())
+    await until(lambda: peers(b)[1] == 4, what="the good line")
+    await until(lambda: stats.placements_skipped >= seen + 8, what="the bad lines counted")
+    assert peers(b)[2] == 0
+    # Never stored: an `l` field in the hash is hostile, deleted by the scan.
+    await redis_client.hset(keys.placement("svc"), "l1", f"{now} 3 {url}")
+
+    async def gone() -> bool:
+        return not await redis_client.hexists(keys.placement("svc"), "l1")
+
+    await until(gone, what="the stored l field deleted")
+
+
+def sync_for(ready_set: ReadySet) -> PlacementSync:
+    return PlacementSync(None, ready_set, Stats(), key="k", channel="c",  # type: ignore[arg-type]
+                         proxy_id="me:1", loads=True)
+
+
+def followed() -> ReadySet:
+    ready_set = ReadySet(policy_override="prefix")
+    ready_set.apply(snapshot(1, *URLS[:2]))
+    return ready_set
+
+
+def test_a_proxy_gone_quiet_is_forgotten_and_the_hash_counts_it_again() -> None:
+    ready_set = followed()
+    sync = sync_for(ready_set)
+    one, two = URLS[:2]
+    sync.hear_loads([(7, one, 4), (8, one, 1), (8, two, 2)], 100.0)
+    assert peers(ready_set) == {1: 5, 2: 2}
+    sync.hear_loads([(8, one, 3)], 100.0 + LOAD_FRESH)  # proxy 8 is still talking
+    sync.expire_loads(100.0 + LOAD_FRESH + 0.1)
+    assert peers(ready_set) == {1: 3, 2: 0}
+    assert set(sync.heard_from) == {8}
+    sync.set_base({one: 2})  # e.g. proxy 7's hash entry, now it is not heard
+    assert peers(ready_set) == {1: 5, 2: 0}
+    sync.forget_loads()  # the channel is lost
+    assert peers(ready_set) == {1: 2, 2: 0}
+    ready_set.close()
+
+
+def test_one_replica_counts_at_most_max_load_peers_proxies_and_clamps() -> None:
+    ready_set = followed()
+    sync = sync_for(ready_set)
+    one = URLS[0]
+    skipped = sync.hear_loads([(p, one, 1) for p in range(1, MAX_LOAD_PEERS + 3)], 1.0)
+    assert skipped == 2
+    assert peers(ready_set)[1] == MAX_LOAD_PEERS
+    sync.hear_loads([(1, one, MAX_LOAD)], 1.0)
+    assert peers(ready_set)[1] == MAX_LOAD
+    ready_set.close()
+
+
+@given(st.binary(max_size=300))
+def test_any_message_parses_to_bounded_counts(payload: bytes) -> None:
+    lines = parse_lines(b"l1 1.5 " + payload)
+    for proxy, url, n in lines.loads:
+        assert 0 <= n <= MAX_LOAD and url and 0 <= proxy < 1 << 32
+
+
+@given(st.integers(0, 10**7 - 1), st.sampled_from(URLS))
+def test_a_count_round_trips(n: int, url: str) -> None:
+    lines = parse_lines(f"lff 1.5 {n} {url}".encode())
+    assert lines.loads == [(0xFF, url, min(n, MAX_LOAD))] and not lines.skipped
