@@ -120,6 +120,9 @@ class PlacementTable:
         self.families: OrderedDict[int, Family] = OrderedDict()
         self.placed: dict[ReplicaView, int] = {}
         self.capacity: dict[ReplicaView, int] = {}
+        # Families placed over the replicas' summed capacity, at most 1 (refresh_capacity):
+        # how full the fleet's caches are; the policy's spill margin grows with it.
+        self.fullness = 0.0
         self.by_url: dict[str, ReplicaView] = {}
         # (family, replica URL) placed here and not yet published (drained by the source).
         self.outbox: list[tuple[int, str]] = []
@@ -155,6 +158,8 @@ class PlacementTable:
     def refresh_capacity(self) -> None:
         self.capacity = {r: engine_capacity(r, self.window_tokens, self.default_capacity)
                          for r in self.placed}
+        total = sum(self.capacity.values())
+        self.fullness = min(1.0, sum(self.placed.values()) / total) if total else 0.0
 
     def refresh(self, now: float) -> int:
         """Advance the clock, drop stale secondaries and families; returns families dropped."""

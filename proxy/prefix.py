@@ -183,8 +183,11 @@ class PrefixPolicy:
         self._header = opts.session_header.lower().encode("latin-1")
         self._load_factor = 1.0 + opts.epsilon
         # A known prefix's replica is skipped this far above the mean, whatever epsilon:
-        # the fleet's margin, split among the proxies sharing it (set_proxies).
+        # the fleet's margin, split among the proxies sharing it (set_proxies), and grown
+        # with the fullness of the caches (_rescale).
         self._fleet_margin = opts.spill_margin
+        self._proxies = 1
+        self._fullness = 0.0
         self._margin = opts.spill_margin or 1 << 30
         self._lru_size = opts.lru_size
         self._fallback = fallback
@@ -225,18 +228,38 @@ class PrefixPolicy:
 
     @property
     def spill_margin(self) -> int:
-        """The margin this proxy applies now (`spill_margin` over the proxies sharing the
-        fleet, at least 1); 0 when the margin is off."""
+        """The margin this proxy applies now (`spill_margin`, grown with the caches'
+        fullness, split among the proxies sharing the fleet: _rescale); 0 when it is off."""
         return self._margin if self._fleet_margin else 0
 
     def set_proxies(self, n: int) -> None:
-        """`n` proxies share the fleet (the Redis source, once a second): each judges its own
-        ~1/n of the requests, so its count of a replica's excess over the mean is ~1/n of
-        the fleet's, plus noise of about its square root. Each applies `spill_margin` /
-        sqrt(n), rounded up (at least 1): with 1/n, the noise alone spilled a family on
-        one of 4 proxies, and its hit rate fell (bench/README.md, "spill_margin 8")."""
+        """`n` proxies share the fleet (the Redis source, once a second; 1 with
+        --fleet-load, whose loads are the fleet's already): see _rescale."""
         if self._fleet_margin:
-            self._margin = max(1, math.ceil(self._fleet_margin / math.sqrt(max(1, n))))
+            self._proxies = max(1, n)
+            self._rescale(self._fullness)
+
+    def _rescale(self, fullness: float) -> None:
+        """The margin for caches this full (`fullness`: the placement table's families over
+        the replicas' summed capacity, 0 to 1) and `n` proxies sharing the fleet:
+        ceil(spill_margin x (1 + fullness) / n ** (1 - fullness / 2)), at least 1.
+
+        - The fuller the caches, the larger: a spill into free cache costs one cold
+          prefill; into a full one it also evicts another family, whose next request is
+          cold too. On the simulator 8 hot groups (a sixth of the caches) wanted 8 with 1
+          proxy, 48 groups filling them 16 (bench/README.md, "A margin that grows as the
+          caches fill").
+        - Split among the proxies: each judges its own ~1/n of the requests, so its count
+          of a replica's excess over the mean is ~1/n of the fleet's, plus noise of about
+          its square root. With room in the caches a spill the noise caused is cheap, and
+          each applies ~1/n (2 of 8 for 4 proxies, 3 with the rounding); with full caches
+          it is not, and each applies 2 x spill_margin / sqrt(n) (8 for 4 proxies): at
+          1/n there, 4 proxies' hit rate fell 2-4 points (bench/README.md, "spill_margin
+          8")."""
+        self._fullness = fullness
+        if self._fleet_margin:
+            self._margin = max(1, math.ceil(self._fleet_margin * (1.0 + fullness)
+                                            / self._proxies ** (1.0 - fullness / 2)))
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
@@ -544,6 +567,9 @@ class PrefixPolicy:
         for r in self._replicas:
             total += r.inflight + r.peer_inflight + r.engine_queue
         mean = (total + 1) / n
+        table = self.placement
+        if table is not None and table.fullness != self._fullness:
+            self._rescale(table.fullness)  # about once a second: refresh() sets it
         return min(math.ceil(factor * mean), math.ceil(mean) + self._margin)
 
     def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:

@@ -500,6 +500,41 @@ def test_a_known_prefix_leaves_a_replica_spill_margin_above_the_mean(placement: 
     assert off.choose(None, Req(body)) is first
 
 
+def test_the_spill_margin_grows_to_twice_as_placed_families_fill_the_caches() -> None:
+    # 4 replicas holding 2 families each (capacity 8). A spill into a full cache evicts
+    # another family: the margin goes from 8 (empty) to 16 (8 families placed).
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+                                                             replica_families=2)))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    hot, *others = bodies(9, seed=37)
+    top = ready.choose(None, Req(hot))
+    assert top is not None
+    table.refresh(table.now)
+    assert table.fullness == 1 / 8
+    top.inflight = 12  # skipped at ceil(13 / 4) + 9 = 13 (margin ceil(8 x 1.125)): stays
+    assert ready.choose(None, Req(hot)) is top
+    top.inflight = 13
+    assert ready.choose(None, Req(hot)) is not top
+    top.inflight = 0
+    for body in others:  # 9 families: the caches are full (fullness capped at 1)
+        assert ready.choose(None, Req(body)) is not None
+    table.refresh(table.now)
+    assert table.fullness == 1.0
+    top.inflight = 19  # min(4 x 20 / 4, 20 / 4 + 16) = 20: stays where 13 spilled
+    assert ready.choose(None, Req(hot)) is top
+    assert policy.spill_margin == 16  # type: ignore[attr-defined]
+    # Split among 4 proxies: 2 x 8 / sqrt(4) with full caches; 8 / 4 with room in them.
+    policy.set_proxies(4)  # type: ignore[attr-defined]
+    assert policy.spill_margin == 8  # type: ignore[attr-defined]
+    for fullness, proxies, margin in [(0.0, 4, 2), (0.5, 4, 5), (0.0, 1, 8), (0.5, 1, 12),
+                                      (0.0, 3, 3), (1.0, 9, 6)]:
+        policy.set_proxies(proxies)  # type: ignore[attr-defined]
+        policy._rescale(fullness)  # type: ignore[attr-defined]
+        assert policy.spill_margin == margin, (fullness, proxies)  # type: ignore[attr-defined]
+
+
 def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     from click.testing import CliRunner
 
