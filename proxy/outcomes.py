@@ -134,9 +134,9 @@ def prefix_metrics(policy: Any, worker: str) -> Iterator[Metric]:
         return
     margin = GaugeMetricFamily(
         "sluice_prefix_spill_margin", "Requests above the mean in flight a known family's "
-        "replica may hold on this proxy before its overflow spills: spill_margin, times 1 to "
-        "2 as placed families fill the caches, split among the proxies sharing the fleet "
-        "(docs/routing.md; 0: off)", labels=["worker"])
+        "replica may hold on this proxy before its overflow spills: spill_margin times 1 to 2 "
+        "as placed families fill the caches, or over the square root of the proxies "
+        "sharing the fleet (docs/routing.md; 0: off)", labels=["worker"])
     margin.add_metric([worker], policy.spill_margin)
     yield margin
     placement = getattr(policy, "placement", None)

@@ -241,25 +241,29 @@ class PrefixPolicy:
 
     def _rescale(self, fullness: float) -> None:
         """The margin for caches this full (`fullness`: the placement table's families over
-        the replicas' summed capacity, 0 to 1) and `n` proxies sharing the fleet:
-        ceil(spill_margin x (1 + fullness) / n ** (1 - fullness / 2)), at least 1.
+        the replicas' summed capacity, 0 to 1) and `n` proxies sharing the fleet.
 
-        - The fuller the caches, the larger: a spill into free cache costs one cold
-          prefill; into a full one it also evicts another family, whose next request is
-          cold too. On the simulator 8 hot groups (a sixth of the caches) wanted 8 with 1
-          proxy, 48 groups filling them 16 (bench/README.md, "A margin that grows as the
-          caches fill").
-        - Split among the proxies: each judges its own ~1/n of the requests, so its count
-          of a replica's excess over the mean is ~1/n of the fleet's, plus noise of about
-          its square root. With room in the caches a spill the noise caused is cheap, and
-          each applies ~1/n (2 of 8 for 4 proxies, 3 with the rounding); with full caches
-          it is not, and each applies 2 x spill_margin / sqrt(n) (8 for 4 proxies): at
-          1/n there, 4 proxies' hit rate fell 2-4 points (bench/README.md, "spill_margin
-          8")."""
+        - A proxy that judges the fleet's load (alone, or with --fleet-load: n is 1)
+          applies ceil(spill_margin x (1 + fullness)): a spill into free cache costs one
+          cold prefill; into a full one it also evicts another family, whose next request
+          is cold too. On the simulator 8 hot groups (a sixth of the caches) wanted 8, 48
+          groups filling them 16 (bench/README.md, "A margin that grows as the caches
+          fill").
+        - Each of n > 1 proxies judges its own ~1/n of the requests: its count of a
+          replica's excess over the mean is ~1/n of the fleet's, plus noise of about its
+          square root. Each applies spill_margin / sqrt(n), rounded up, at least 1, however
+          full the caches: at 1/n the noise alone spilled families and 4 proxies' hit rate
+          fell 2-4 points (bench/README.md, "spill_margin 8"); growing it with the caches
+          measured worse on 8 hot groups (0.25 -> 0.30 s), and 1/n while the caches had
+          room worse on 4 llama.cpp servers (mean TTFT 0.23-0.29 -> 0.40-0.43 s, p99 1.5
+          -> 2.6-3.0 s; bench/README.md, "A margin that grows as the caches fill")."""
         self._fullness = fullness
         if self._fleet_margin:
-            self._margin = max(1, math.ceil(self._fleet_margin * (1.0 + fullness)
-                                            / self._proxies ** (1.0 - fullness / 2)))
+            n = self._proxies
+            if n == 1:
+                self._margin = math.ceil(self._fleet_margin * (1.0 + fullness))
+            else:
+                self._margin = max(1, math.ceil(self._fleet_margin / math.sqrt(n)))
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)

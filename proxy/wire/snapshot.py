@@ -40,7 +40,8 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     load, a replica with more than (1 + epsilon) x the mean in flight is skipped;
     `spill_margin`: a known prefix's replica is also skipped once it holds this many
     requests more than the mean in flight, up to twice this many as placed families fill
-    the replicas' caches (0: no such bound);
+    the replicas' caches (split among several proxies: docs/routing.md; 0: no such
+    bound);
     `lru_size`: entries of the per-proxy longest-prefix memory (0: off);
     `placement`: how a new prompt family gets its replica, "capacity" (by load and free
     cache capacity: proxy/placement.py), "rendezvous" (the hash alone) or "auto"

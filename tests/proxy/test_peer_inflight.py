@@ -119,9 +119,9 @@ async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
             "peer-a:1": entry({url: 1}), "peer-b:2": entry({url: 1}),
             "peer-c:3": entry({url: 1}, at=time.time() - PEER_FRESH - 60),  # stopped
             "peer-d:4": b"not json"})  # fmt: skip
-        # 3 proxies, no family placed (the caches have room): ceil(8 / 3) = 3 each. With
-        # --fleet-load the loads are the fleet's: the whole margin.
-        want = 8 if fleet_load else 3
+        # 3 proxies: ceil(8 / sqrt(3)) = 5 each. With --fleet-load the loads are the
+        # fleet's: the whole margin.
+        want = 8 if fleet_load else 5
         await until(lambda: margin() == want, what=f"margin {want}")
         await redis_client.hdel(key, "peer-a:1", "peer-b:2")
         await until(lambda: margin() == 8, what="alone again")

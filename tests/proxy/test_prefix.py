@@ -525,11 +525,11 @@ def test_the_spill_margin_grows_to_twice_as_placed_families_fill_the_caches() ->
     top.inflight = 19  # min(4 x 20 / 4, 20 / 4 + 16) = 20: stays where 13 spilled
     assert ready.choose(None, Req(hot)) is top
     assert policy.spill_margin == 16  # type: ignore[attr-defined]
-    # Split among 4 proxies: 2 x 8 / sqrt(4) with full caches; 8 / 4 with room in them.
+    # Split among 4 proxies, each judging its own quarter: 8 / sqrt(4), however full.
     policy.set_proxies(4)  # type: ignore[attr-defined]
-    assert policy.spill_margin == 8  # type: ignore[attr-defined]
-    for fullness, proxies, margin in [(0.0, 4, 2), (0.5, 4, 5), (0.0, 1, 8), (0.5, 1, 12),
-                                      (0.0, 3, 3), (1.0, 9, 6)]:
+    assert policy.spill_margin == 4  # type: ignore[attr-defined]
+    for fullness, proxies, margin in [(0.0, 4, 4), (0.5, 4, 4), (0.0, 1, 8), (0.5, 1, 12),
+                                      (0.0, 3, 5), (1.0, 9, 3), (1.0, 1, 16)]:
         policy.set_proxies(proxies)  # type: ignore[attr-defined]
         policy._rescale(fullness)  # type: ignore[attr-defined]
         assert policy.spill_margin == margin, (fullness, proxies)  # type: ignore[attr-defined]
