@@ -64,6 +64,12 @@ async def two(request: pytest.FixtureRequest, store: Store, redis_url: str,
         ready_set.close()
 
 
+def listener(two: list[Proxy], redis_prefix: str) -> tuple[ReadySet, Stats, Keys, str]:
+    """The second proxy (the one that hears), its stats, the keys, its first replica URL."""
+    _, ready_set, stats = two[1]
+    return ready_set, stats, Keys(redis_prefix), min(r.url for r in ready_set.replicas)
+
+
 def peers(ready_set: ReadySet) -> dict[int, int]:
     """replica -> peer_inflight, numbered from 1 in URL order."""
     known = sorted(ready_set.known.values(), key=lambda r: r.url)
@@ -87,9 +93,7 @@ async def test_a_proxys_counts_reach_the_other_and_never_itself(two: list[Proxy]
 async def test_a_proxy_heard_on_the_channel_is_not_counted_again_from_the_hash(
     two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
-    (_, _, _), (_, b, _) = two
-    keys = Keys(redis_prefix)
-    url = min(r.url for r in b.replicas)
+    b, _, keys, url = listener(two, redis_prefix)
     # An older proxy writes only the hash; a new one both, its hash entry a second old.
     await redis_client.hset(keys.inflight("svc"), mapping={
         "old-proxy:1": entry({url: 2}), "new-proxy:1": entry({url: 7})})  # fmt: skip
@@ -106,9 +110,7 @@ async def test_a_proxy_heard_on_the_channel_is_not_counted_again_from_the_hash(
 async def test_hostile_load_lines_are_skipped_and_counted(
     two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
-    (_, _, _), (_, b, stats) = two
-    keys = Keys(redis_prefix)
-    url = min(r.url for r in b.replicas)
+    b, stats, keys, url = listener(two, redis_prefix)
     now = f"{time.time():.3f}"
     seen = stats.placements_skipped
     await redis_client.publish(keys.placed("svc"), "\n".join([
