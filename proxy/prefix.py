@@ -255,8 +255,8 @@ class PrefixPolicy:
           full the caches: at 1/n the noise alone spilled families and 4 proxies' hit rate
           fell 2-4 points (bench/README.md, "spill_margin 8"); growing it with the caches
           measured worse on 8 hot groups (0.25 -> 0.30 s), and 1/n while the caches had
-          room worse on 4 llama.cpp servers (mean TTFT 0.23-0.29 -> 0.40-0.43 s, p99 1.5
-          -> 2.6-3.0 s; bench/README.md, "A margin that grows as the caches fill")."""
+          room worse on 4 llama.cpp servers (mean TTFT 0.23-0.26 -> 0.40-0.43 s, two runs
+          each; bench/README.md, "A margin that grows as the caches fill")."""
         self._fullness = fullness
         if self._fleet_margin:
             n = self._proxies
