@@ -100,7 +100,7 @@ LOAD = b"l"  # line prefix of a proxy's in-flight count on a replica (channel on
 LOAD_INTERVAL = 0.1  # s; the changed counts are announced this often
 LOAD_REFRESH = 1.0  # s; and all of them this often, changed or not
 LOAD_FRESH = 2.5  # s; a proxy's count not heard this long is dropped
-MAX_LOAD = 1 << 20  # a replica's count is clamped here (like MAX_PEER_INFLIGHT)
+MAX_LOAD = 1 << 20  # a replica's peer_inflight is clamped here
 MAX_LOAD_PEERS = 1024  # proxies counted per replica (the rest are skipped)
 
 

@@ -92,7 +92,6 @@ _INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
 # that stopped leaves its field behind until the hash expires.
 PEER_FRESH = 3.0
 MAX_PEERS = 1024  # in-flight entries read per flush (the rest are skipped)
-MAX_PEER_INFLIGHT = 1 << 20  # a replica's peer count is clamped here
 
 
 class RedisSource:
@@ -451,7 +450,7 @@ class RedisSource:
         if isinstance(raw, dict):
             own = self._proxy_id_bytes
             # Proxies heard on the placement channel: their counts there are fresher.
-            heard = self.placement.heard_from if self.placement is not None else None
+            heard = self.placement.heard_from if self.placement is not None else {}
             cut = now - PEER_FRESH
             for n, (proxy, value) in enumerate(raw.items()):
                 if n >= MAX_PEERS:
@@ -467,7 +466,7 @@ class RedisSource:
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
                 fresh += 1
-                if self._fleet_load and (heard is None or crc32(proxy) not in heard):
+                if self._fleet_load and crc32(proxy) not in heard:
                     for url, count in entry.replicas.items():
                         sums[url] = sums.get(url, 0) + count
         if bad and not self._peers_warned:
@@ -477,11 +476,9 @@ class RedisSource:
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)
-        if self._fleet_load and self.placement is not None:
-            self.placement.set_base(sums)  # plus the counts heard on its channel
-        elif self._fleet_load:  # else every peer_inflight stays 0
-            for url, replica in self._ready_set.known.items():
-                replica.peer_inflight = min(sums.get(url, 0), MAX_PEER_INFLIGHT)
+        # start() made the placement task: peer_inflight = these + the channel's (clamped).
+        if self._fleet_load and self.placement is not None:  # else peer_inflight stays 0
+            self.placement.set_base(sums)
 
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None
