@@ -156,7 +156,8 @@ class _ProxyCommand(click.Command):
                    "flight takes no more of a known prefix's requests either, on any "
                    "number of replicas, up to 2N as placed prompt families fill the "
                    "replicas' caches (0: no such bound). N is the fleet's: with K "
-                   "proxies on Redis each applies N / sqrt(K) to its own requests (with "
+                   "proxies on Redis each applies N / sqrt(K) to its own requests, and "
+                   "about N / 2K before a family's warm second replica (with "
                    "--fleet-load, 1 proxy's margin to the fleet's counts). "
                    f"[default: {PREFIX_DEFAULTS.spill_margin}]")
 @click.option("--prefix-session-header", default=None, metavar="NAME",

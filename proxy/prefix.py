@@ -67,6 +67,9 @@ from proxy.placement import Family, PlacementTable
 from proxy.wire.snapshot import PrefixOptions
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
+# s; a secondary that took its family's overflow this recently (on the placement table's
+# coarse clock, 1 s) is warm enough to take it at the tighter margin (_warm_overflow).
+WARM_RECENT = 2.0
 
 # Indexes into a replica's `routed` counters.
 AFFINITY, SPILL, FALLBACK = 0, 1, 2
@@ -189,6 +192,7 @@ class PrefixPolicy:
         self._proxies = 1
         self._fullness = 0.0
         self._margin = opts.spill_margin or 1 << 30
+        self._tight = self._margin  # the margin at which a warm secondary takes over (_rescale)
         self._lru_size = opts.lru_size
         self._fallback = fallback
         self._replicas: tuple[ReplicaView, ...] = ()
@@ -256,14 +260,29 @@ class PrefixPolicy:
           fell 2-4 points (bench/README.md, "spill_margin 8"); growing it with the caches
           measured worse on 8 hot groups (0.25 -> 0.30 s), and 1/n while the caches had
           room worse on 4 llama.cpp servers (mean TTFT 0.23-0.26 -> 0.40-0.43 s, two runs
-          each; bench/README.md, "A margin that grows as the caches fill")."""
+          each; but two runs of the same code there gave 0.23 and 0.37 s: bench/README.md,
+          "A margin that grows as the caches fill", "A warm secondary").
+        - A family whose secondary is warm (it answered the family, and took its overflow
+          in the last WARM_RECENT seconds) overflows there sooner with n > 1 proxies: at
+          `_tight`, spill_margin x (1 + fullness) / (2 n) while the caches are empty,
+          moving to the margin above as they fill, where the secondary's copy is evicted
+          sooner. Each proxy's count of a hot primary is ~1/n of the fleet's, so the
+          margin above let 4 proxies pile ~4 x 4 requests over the mean on it where one
+          proxy stops at 8-10: on the simulator's overload, past the engine's batch for 3
+          of 7 s (mean TTFT 0.25 s against one proxy's 0.09 s; with this 0.15 s;
+          bench/README.md, "A warm secondary").
+        """
         self._fullness = fullness
         if self._fleet_margin:
             n = self._proxies
             if n == 1:
-                self._margin = math.ceil(self._fleet_margin * (1.0 + fullness))
+                self._margin = self._tight = math.ceil(self._fleet_margin * (1.0 + fullness))
             else:
-                self._margin = max(1, math.ceil(self._fleet_margin / math.sqrt(n)))
+                margin = max(1, math.ceil(self._fleet_margin / math.sqrt(n)))
+                share = self._fleet_margin * (1.0 + fullness) / (2 * n)
+                self._margin = margin
+                self._tight = max(1, min(margin, math.ceil(
+                    margin + (share - margin) * (1.0 - fullness))))
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
@@ -343,6 +362,7 @@ class PrefixPolicy:
             factor = self._load_factor
             if hit.left_at is not None or (exclude is not None and hit in exclude):
                 break
+            fam = None
             if self.placement is not None:
                 fam = self.placement.families.get(key[0])
                 if fam is not None and fam.moved_from is hit:
@@ -351,7 +371,9 @@ class PrefixPolicy:
             load = hit.inflight + hit.peer_inflight + hit.engine_queue
             if load:
                 capacity = self._capacity(factor)
-                if load >= capacity:
+                if load >= capacity or (fam is not None and self._tight < self._margin
+                                        and hit is fam.primary
+                                        and self._warm_overflow(fam, load, factor, exclude)):
                     return self._spill(key, d, exclude, capacity)
             return self._routed_known(key, d, hit, AFFINITY)
         if self.placement is not None:
@@ -467,7 +489,9 @@ class PrefixPolicy:
                 if load:
                     if capacity < 0:
                         capacity = self._capacity(factor)
-                    if load >= capacity:
+                    if load >= capacity or (r is fam.primary and self._tight < self._margin
+                                            and self._warm_overflow(fam, load, factor,
+                                                                    exclude)):
                         reason = SPILL
                         continue
                     if (reason == SPILL and r is fam.secondary
@@ -513,6 +537,22 @@ class PrefixPolicy:
         self._counts[chosen][reason] += 1
         return chosen
 
+    def _warm_overflow(self, fam: Family, load: int, factor: float,
+                       exclude: set[ReplicaView] | None) -> bool:
+        """The family's primary, holding `load`, overflows to its warm secondary at the
+        tighter margin (`_tight`, _rescale) while the secondary is at or below the mean
+        (as _choose_placed takes it; above, the primary within its margin is better than a
+        new, cold secondary). Warm: it answered the family, is not gone, and took the
+        family's overflow within WARM_RECENT, so it still holds the prompt on any engine (a
+        per-slot cache like llama.cpp's reuses the slot soon after)."""
+        secondary = fam.secondary
+        table = self.placement
+        return (secondary is not None and fam.warming is None and secondary.left_at is None
+                and table is not None and fam.secondary_used >= table.now - WARM_RECENT
+                and (exclude is None or secondary not in exclude)
+                and load >= self._capacity(factor, self._tight)
+                and secondary.inflight + secondary.engine_queue < self._capacity(1.0))
+
     def learn(self, blocks: Iterable[tuple[int, str, float]]) -> int:
         """The longest-prefix memory learns blocks other proxies routed off their family's
         replica (block, URL, when; proxy/sources/placement.py), first writer wins; an
@@ -543,7 +583,7 @@ class PrefixPolicy:
         while len(lru) > self._lru_size:
             lru.popitem(last=False)
 
-    def _capacity(self, factor: float) -> int:
+    def _capacity(self, factor: float, margin: int = -1) -> int:
         """A replica holding this many requests or more is skipped (bounded load).
 
         factor 1.0 (a prefix never seen): at most the mean in flight, rounded down, so
@@ -574,7 +614,9 @@ class PrefixPolicy:
         table = self.placement
         if table is not None and table.fullness != self._fullness:
             self._rescale(table.fullness)  # about once a second: refresh() sets it
-        return min(math.ceil(factor * mean), math.ceil(mean) + self._margin)
+        if margin < 0:
+            margin = self._margin
+        return min(math.ceil(factor * mean), math.ceil(mean) + margin)
 
     def _fall_back(self, exclude: set[ReplicaView] | None) -> ReplicaView | None:
         chosen = self._fallback.choose(exclude)

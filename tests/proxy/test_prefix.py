@@ -535,6 +535,63 @@ def test_the_spill_margin_grows_to_twice_as_placed_families_fill_the_caches() ->
         assert policy.spill_margin == margin, (fullness, proxies)  # type: ignore[attr-defined]
 
 
+def test_with_several_proxies_a_family_overflows_to_its_warm_secondary_sooner() -> None:
+    # Each of 4 proxies counts ~1/4 of a hot primary's load: the margin 8 / sqrt(4) = 4
+    # let 4 proxies pile ~16 requests over the mean on it, where one proxy stops at 8-10.
+    # Once the family's secondary has answered and took its overflow lately (warm), the
+    # overflow goes there at the tighter margin: spill_margin x (1 + fullness) / 8 while
+    # the caches have room.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+                                                             replica_families=13)))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    policy.set_proxies(4)  # type: ignore[attr-defined]
+    hot = bodies(1, seed=41)[0]
+    top = ready.choose(None, Req(hot))
+    assert top is not None
+    table.refresh(table.now)  # 1 family of 52: fullness 1/52
+    top.inflight = 5  # under ceil(6 / 4) + 4 = 6, and no secondary yet: stays
+    assert ready.choose(None, Req(hot)) is top
+    assert (policy.spill_margin, policy._tight) == (4, 2)  # type: ignore[attr-defined]
+    top.inflight = 6  # over the bound: a new secondary, warming
+    second = ready.choose(None, Req(hot))
+    fam = table.families[key(hot)[0]]
+    assert second is not None and second is not top
+    assert fam.secondary is second and fam.warming is second
+    top.inflight = 3  # ceil(4 / 4) + 2 = 3: over the tighter margin, but the secondary
+    assert ready.choose(None, Req(hot)) is top  # has not answered: it would compute again
+    fam.warming = None  # its first answer came
+    assert ready.choose(None, Req(hot)) is second
+    top.inflight = 2  # under it
+    assert ready.choose(None, Req(hot)) is top
+    top.inflight = 3
+    table.refresh(table.now + 3)  # the secondary took nothing for 3 s: its copy may be gone
+    assert ready.choose(None, Req(hot)) is top
+    table.refresh(table.now + 1)
+    fam.secondary_used = table.now  # another proxy's overflow went there just now
+    assert ready.choose(None, Req(hot)) is second
+    top.inflight, second.inflight = 4, 2  # over ceil(7 / 4) + 2 = 4, but the secondary is
+    assert ready.choose(None, Req(hot)) is top  # above the mean (6 // 4 + 1): the primary
+    assert fam.secondary is second  # within its margin, not a new, cold secondary
+    second.inflight = 0
+    assert ready.choose({second}, Req(hot)) is top  # excluded (failed): likewise
+    top.inflight = 3
+    second.left_at = 1.0  # gone: the primary holds up to its margin again
+    top.inflight = 5
+    assert ready.choose(None, Req(hot)) is top
+    second.left_at = None
+    policy.set_proxies(1)  # type: ignore[attr-defined]
+    assert ready.choose(None, Req(hot)) is top  # one proxy: 5 < ceil(6 / 4) + 9
+    # The tighter margin moves to the plain one as the caches fill (the secondary's copy
+    # is evicted sooner), and is the plain one for a proxy alone.
+    for fullness, proxies, tight in [(0.0, 4, 1), (0.5, 4, 3), (1.0, 4, 4), (0.0, 2, 2),
+                                     (0.5, 1, 12), (0.0, 1, 8)]:
+        policy.set_proxies(proxies)  # type: ignore[attr-defined]
+        policy._rescale(fullness)  # type: ignore[attr-defined]
+        assert policy._tight == tight, (fullness, proxies)  # type: ignore[attr-defined]
+
+
 def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     from click.testing import CliRunner
 
