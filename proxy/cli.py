@@ -191,8 +191,9 @@ class _ProxyCommand(click.Command):
               help="prefix policy: a known family's load bound also counts the requests "
                    "the other proxies have in flight, as they announce them on the "
                    "placement channel about every 100 ms (Redis source only). Measured in "
-                   "docs/routing.md: it helped several proxies on a simulated vLLM fleet "
-                   "and hurt on llama.cpp servers with 2 slots; measure before using it.")
+                   "docs/routing.md: it helped several proxies on a simulated vLLM fleet; "
+                   "on llama.cpp servers with 2 slots it measured worse, but within that "
+                   "bench's spread between identical runs; measure before using it.")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
