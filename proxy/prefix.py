@@ -365,8 +365,11 @@ class PrefixPolicy:
             fam = None
             if self.placement is not None:
                 fam = self.placement.families.get(key[0])
-                if fam is not None and fam.moved_from is hit:
-                    break  # another proxy placed the family first: follow it there
+                if fam is not None:
+                    if fam.moved_from is hit:
+                        break  # another proxy placed the family first: follow it there
+                    self.placement.families.move_to_end(key[0])
+                    fam.used = self.placement.now  # in use: it does not expire
             lru.move_to_end(key[d])  # refresh: most recent last
             load = hit.inflight + hit.peer_inflight + hit.engine_queue
             if load:

@@ -202,6 +202,24 @@ def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -
     assert ready.choose(None, Req(body)) is home
 
 
+def test_a_family_routed_on_its_known_prefixes_stays_placed() -> None:
+    # Nearly every request of a family goes through the longest-prefix memory, which
+    # returned before the placement was asked: the family's entry aged as if unused, was
+    # dropped after the TTL (its replica's capacity counted free) and placed anew.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+                                                             placement_ttl=10.0)))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    body = bodies(1, seed=43)[0]
+    home = ready.choose(None, Req(body))
+    fid = family_of(ready, body)
+    for _ in range(4):  # 20 s of use, 5 s apart: twice the TTL
+        table.refresh(table.now + 5.0)
+        assert ready.choose(None, Req(body)) is home
+    table.refresh(table.now + 5.0)
+    assert fid in table.families and table.placed[home] == 1
+
+
 def test_a_family_whose_replica_left_moves_and_stays_moved() -> None:
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4]))
