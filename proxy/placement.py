@@ -27,10 +27,12 @@ decides instead, for a family it does not know:
 A known family goes to its primary while that is within the (1 + epsilon)
 bound (and `spill_margin` above the mean: PrefixPolicy._capacity), else to its
 secondary while that is at or below the mean in flight (a hot family spills to
-one more replica only when its own is saturated), else to a new secondary chosen
-as above (the overflow moves to the least loaded). While the first request this
-proxy spilled to a new secondary has no response byte yet (`Family.warming`: that
-replica is still computing the prompt), the overflow stays at the primary: on an
+one more replica only when its own is saturated), else to its former secondary (the
+one the overflow last moved off: it still holds the prompt) while that is, else to
+a new secondary chosen as above (the overflow moves to the least loaded; the two
+swap when it goes back to the former). While the first request this proxy spilled
+to a new secondary has no response byte yet (`Family.warming`: that replica is
+still computing the prompt), the overflow stays at the primary: on an
 engine with one cache per slot (llama.cpp) a second request there would compute the
 prompt again, both stalling it (vLLM would match the second once the first is
 scheduled, so there the wait costs little: bench/README.md). With shared
@@ -75,14 +77,18 @@ MAX_OUTBOX = 4096
 class Family:
     """One family's replicas: `primary` (where it is placed), `secondary` (its spill)."""
 
-    __slots__ = ("moved_from", "primary", "secondary", "secondary_used", "used", "warming",
-                 "warming_at")
+    __slots__ = ("former", "former_used", "moved_from", "primary", "secondary",
+                 "secondary_used", "used", "warming", "warming_at")
 
     def __init__(self, primary: ReplicaView, now: float) -> None:
         self.primary = primary
         self.secondary: ReplicaView | None = None
         self.used = now
         self.secondary_used = 0.0
+        # The secondary before the last move off it (saturated then): it still holds the
+        # family's prompt, so the overflow goes back there before a cold replica.
+        self.former: ReplicaView | None = None
+        self.former_used = 0.0
         # The primary this proxy had before adopting another proxy's: the longest-prefix
         # memory's entries pointing there are stale (proxy/prefix.py skips them).
         self.moved_from: ReplicaView | None = None
@@ -93,6 +99,15 @@ class Family:
         # by refresh() once older than WARM_HOLD (`warming_at`).
         self.warming: ReplicaView | None = None
         self.warming_at = 0.0
+
+    def replace_secondary(self, replica: ReplicaView) -> None:
+        """`replica` takes the overflow; the secondary it replaces becomes the former one
+        (a move back to the former swaps them)."""
+        if self.secondary is not None:
+            self.former, self.former_used = self.secondary, self.secondary_used
+        elif self.former is replica:
+            self.former = None
+        self.secondary = replica
 
 
 def engine_capacity(replica: ReplicaView, window_tokens: int, default: int) -> int:
@@ -147,6 +162,8 @@ class PlacementTable:
             fam = self.families[fid]
             if fam.secondary is not None and fam.secondary not in live:
                 fam.secondary = None
+            if fam.former is not None and fam.former not in live:
+                fam.former = None
             if fam.primary not in live:
                 if fam.secondary is None:
                     del self.families[fid]
@@ -182,6 +199,8 @@ class PlacementTable:
                 fam.warming = None  # a bound: an answer lost on the way (or a stuck replica)
             if fam.secondary is not None and fam.secondary_used < spill_cut:
                 fam.secondary = None
+            if fam.former is not None and fam.former_used < spill_cut:
+                fam.former = None
         for fam, _ in self.warming_spills.values():  # including families dropped since
             if fam.warming_at < warm_cut:
                 fam.warming = None
@@ -218,6 +237,8 @@ class PlacementTable:
                 self._uncount(fam.primary)
                 if fam.secondary is replica:
                     fam.secondary = None
+                if fam.former is replica:
+                    fam.former = None
                 fam.primary = replica
                 self.placed[replica] = self.placed.get(replica, 0) + 1
         return skipped
@@ -241,12 +262,13 @@ class PlacementTable:
             if (at < cut or fam is None or fam.primary is replica
                     or replica.left_at is not None):
                 continue
-            if fam.secondary is not replica and at >= now - WARM_HOLD:
-                # Just chosen by another proxy: its first request there computes the
-                # prompt; the overflow here waits for it too (until `adopt_warm`).
-                fam.warming = replica
-                fam.warming_at = at
-            fam.secondary = replica
+            if fam.secondary is not replica:
+                if fam.former is not replica and at >= now - WARM_HOLD:
+                    # Just chosen by another proxy: its first request there computes the
+                    # prompt; the overflow here waits for it too (until `adopt_warm`).
+                    fam.warming = replica
+                    fam.warming_at = at
+                fam.replace_secondary(replica)
             if fam.secondary_used < at:
                 fam.secondary_used = at
         return skipped
@@ -325,10 +347,12 @@ class PlacementTable:
         """`fam`'s primary (and secondary, if any) is saturated: `replica` takes the
         overflow, queued for publishing."""
         moved = fam.secondary is not None
-        fam.secondary = replica
+        warm = fam.former is replica
+        fam.replace_secondary(replica)
         fam.secondary_used = self.now
-        fam.warming = replica
-        fam.warming_at = self.now
+        if not warm:
+            fam.warming = replica
+            fam.warming_at = self.now
         if len(self.spill_outbox) < MAX_OUTBOX:
             self.spill_outbox.append((fid, replica.url, moved))
             if len(self.warming_spills) < MAX_OUTBOX:
@@ -345,6 +369,8 @@ class PlacementTable:
         fam.primary = replica
         if fam.secondary is replica:
             fam.secondary = None
+        if fam.former is replica:
+            fam.former = None
         self.placed[replica] = self.placed.get(replica, 0) + 1
 
     def _uncount(self, replica: ReplicaView) -> None:

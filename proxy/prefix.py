@@ -193,6 +193,9 @@ class PrefixPolicy:
         self._fullness = 0.0
         self._margin = opts.spill_margin or 1 << 30
         self._tight = self._margin  # the margin at which a warm secondary takes over (_rescale)
+        # How far above this proxy's own mean a secondary may be and still take the overflow
+        # (_rescale): 0 for a proxy alone, the tighter margin for one of several.
+        self._slack = 0
         self._lru_size = opts.lru_size
         self._fallback = fallback
         self._replicas: tuple[ReplicaView, ...] = ()
@@ -271,18 +274,25 @@ class PrefixPolicy:
           proxy stops at 8-10: on the simulator's overload, past the engine's batch for 3
           of 7 s (mean TTFT 0.25 s against one proxy's 0.09 s; with this 0.15 s;
           bench/README.md, "A warm secondary").
+        - With n > 1 proxies a secondary is "above the mean" (the overflow leaves it for
+          another replica) only beyond `_slack`, the tighter margin, over this proxy's own
+          mean: at ~1/n of the fleet's counts the noise alone moved a hot family's
+          overflow 5-6 times in 5 s, each move a cold prefill (bench/README.md, "The
+          overflow goes back to its former secondary").
         """
         self._fullness = fullness
         if self._fleet_margin:
             n = self._proxies
             if n == 1:
                 self._margin = self._tight = math.ceil(self._fleet_margin * (1.0 + fullness))
+                self._slack = 0
             else:
                 margin = max(1, math.ceil(self._fleet_margin / math.sqrt(n)))
                 share = self._fleet_margin * (1.0 + fullness) / (2 * n)
                 self._margin = margin
                 self._tight = max(1, min(margin, math.ceil(
                     margin + (share - margin) * (1.0 - fullness))))
+                self._slack = self._tight
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
@@ -476,7 +486,7 @@ class PrefixPolicy:
             if factor != self._load_factor:
                 factor = self._load_factor  # a placed family: its cache is worth the wait
                 capacity = -1
-            for r in (fam.primary, fam.secondary):
+            for r in (fam.primary, fam.secondary, fam.former):
                 if r is None or r.left_at is not None or (exclude is not None and r in exclude):
                     continue
                 if r is fam.warming and reason == SPILL:
@@ -497,9 +507,11 @@ class PrefixPolicy:
                                                                     exclude)):
                         reason = SPILL
                         continue
-                    if (reason == SPILL and r is fam.secondary
-                            and r.inflight + r.engine_queue >= self._capacity(1.0)):
-                        # The primary is over the bound and the secondary above the mean:
+                    if (reason == SPILL and r is not fam.primary
+                            and r.inflight + r.engine_queue
+                            >= self._capacity(1.0) + self._slack):
+                        # The primary is over the bound and the secondary (or the former
+                        # one, after it) above the mean:
                         # the overflow goes to the least loaded replica (place) instead,
                         # which becomes the secondary. A secondary allowed
                         # to fill up to the bound queued the overflow of a family too hot
@@ -513,6 +525,9 @@ class PrefixPolicy:
                 self._predicted = PREDICTED_HIT  # the family's own replica
                 if chosen is fam.secondary:
                     fam.secondary_used = table.now
+                    reason = SPILL
+                elif chosen is not fam.primary:  # the former secondary, still warm: back
+                    table.spill(fid, fam, chosen)
                     reason = SPILL
         if chosen is None:
             if capacity < 0:
@@ -554,7 +569,8 @@ class PrefixPolicy:
                 and table is not None and fam.secondary_used >= table.now - WARM_RECENT
                 and (exclude is None or secondary not in exclude)
                 and load >= self._capacity(factor, self._tight)
-                and secondary.inflight + secondary.engine_queue < self._capacity(1.0))
+                and secondary.inflight + secondary.engine_queue
+                < self._capacity(1.0) + self._slack)
 
     def learn(self, blocks: Iterable[tuple[int, str, float]]) -> int:
         """The longest-prefix memory learns blocks other proxies routed off their family's

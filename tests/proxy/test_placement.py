@@ -202,6 +202,55 @@ def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -
     assert ready.choose(None, Req(body)) is home
 
 
+def test_the_overflow_goes_back_to_its_former_secondary_warm_before_a_cold_replica() -> None:
+    ready, body, home, spill, fam = spilled_family()
+    others = [r for r in ready.replicas if r not in (home, spill)]
+    # The secondary above the mean: the overflow moves to the least loaded other one,
+    # which computes the prompt first (warming); the one it left is the former secondary.
+    home.inflight, spill.inflight, others[0].inflight = 6, 3, 1
+    moved = ready.choose(None, Req(body))
+    assert moved is others[1] and fam.secondary is moved and fam.warming is moved
+    assert fam.former is spill
+    fam.warming = None  # its first answer came
+    # Now the new secondary is above the mean and the former one is not: the overflow goes
+    # back there (it holds the prompt: no warming hold, no cold prefill), not to the idle
+    # replica the least-loaded order would pick (others[0], 0 in flight).
+    moved.inflight, spill.inflight, others[0].inflight = 4, 1, 0
+    back = Req(body)
+    assert ready.choose(None, back) is spill
+    assert fam.secondary is spill and fam.former is moved and fam.warming is None
+    assert not back.cold and back.warms is None
+    assert ready.policy.placement.spill_outbox[-1] == (  # type: ignore[attr-defined]
+        family_of(ready, body), spill.url, True)  # shared: the other proxies follow
+    # Both above the mean: a cold replica after all (and it warms first).
+    spill.inflight = 4
+    third = ready.choose(None, Req(body))
+    assert third is others[0] and fam.warming is third and fam.former is spill
+    # A former secondary unused for a quarter of the TTL is forgotten, like a secondary.
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(table.now + table.ttl / 4 + 1)
+    assert fam.former is None and fam.secondary is None
+
+
+def test_a_move_back_to_the_former_secondary_on_another_proxy_holds_no_overflow() -> None:
+    table = PlacementTable()
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4]))
+    table.update(ready.replicas)
+    table.refresh(1000.0)
+    a, b, c = ready.replicas[:3]
+    table.adopt([(7, a.url, 999.0)])
+    table.adopt_spills([(7, b.url, 999.0)])  # another proxy's first spill: warming there
+    fam = table.families[7]
+    assert fam.secondary is b and fam.warming is b
+    fam.warming = None  # its first answer came (adopt_warm)
+    table.adopt_spills([(7, c.url, 999.5)])  # moved to c: cold, the overflow waits
+    assert (fam.secondary, fam.former, fam.warming) == (c, b, c)
+    fam.warming = None
+    table.adopt_spills([(7, b.url, 999.8)])  # moved back to b: warm, nothing waits
+    assert (fam.secondary, fam.former, fam.warming) == (b, c, None)
+
+
 def test_a_family_routed_on_its_known_prefixes_stays_placed() -> None:
     # Nearly every request of a family goes through the longest-prefix memory, which
     # returned before the placement was asked: the family's entry aged as if unused, was

@@ -571,10 +571,14 @@ def test_with_several_proxies_a_family_overflows_to_its_warm_secondary_sooner() 
     table.refresh(table.now + 1)
     fam.secondary_used = table.now  # another proxy's overflow went there just now
     assert ready.choose(None, Req(hot)) is second
-    top.inflight, second.inflight = 4, 2  # over ceil(7 / 4) + 2 = 4, but the secondary is
-    assert ready.choose(None, Req(hot)) is top  # above the mean (6 // 4 + 1): the primary
+    # The secondary above this proxy's mean, but by no more than the tighter margin (its
+    # count is ~1/4 of the fleet's, and noisy): still warm, still taken.
+    top.inflight, second.inflight = 6, 4  # over ceil(11 / 4) + 2 = 5; 4 < 10 // 4 + 1 + 2
+    assert ready.choose(None, Req(hot)) is second
+    top.inflight, second.inflight = 6, 6  # over ceil(13 / 4) + 2 = 6, but the secondary is
+    assert ready.choose(None, Req(hot)) is top  # above it (12 // 4 + 1 + 2): the primary
     assert fam.secondary is second  # within its margin, not a new, cold secondary
-    second.inflight = 0
+    top.inflight, second.inflight = 4, 0  # over ceil(5 / 4) + 2 = 4
     assert ready.choose({second}, Req(hot)) is top  # excluded (failed): likewise
     top.inflight = 3
     second.left_at = 1.0  # gone: the primary holds up to its margin again
