@@ -380,6 +380,8 @@ class PrefixPolicy:
                         break  # another proxy placed the family first: follow it there
                     self.placement.families.move_to_end(key[0])
                     fam.used = self.placement.now  # in use: it does not expire
+                    if hit is fam.secondary:  # a turn that spilled there: it is warm
+                        fam.secondary_used = fam.used
             lru.move_to_end(key[d])  # refresh: most recent last
             load = hit.inflight + hit.peer_inflight + hit.engine_queue
             if load:

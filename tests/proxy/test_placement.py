@@ -394,6 +394,34 @@ def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
     assert lru[key[-2]] is spill and lru[77] is other and 78 not in lru and 79 not in lru
 
 
+def test_turns_that_follow_a_conversation_to_the_secondary_keep_it_warm() -> None:
+    # A conversation that spilled continues at the secondary through the longest-prefix
+    # memory, which returned before the placement was asked: the secondary aged as if
+    # unused and was dropped after ttl / 4 while its turns kept it warm, and the family's
+    # next overflow went to a new, cold replica.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    system = "System prompt 83. " + LONG
+    home = ready.choose(None, Req(chat(system, "q")))
+    assert home is not None
+    home.inflight = 6
+    turn = chat(system, "A question long enough to fill blocks of its own. " * 12)
+    spill = ready.choose(None, Req(turn))
+    assert spill is not None and spill is not home
+    fam = table.families[family_of(ready, turn)]
+    fam.warming = None
+    home.inflight = 0
+    for _ in range(4):  # 120 s of turns, 30 s apart: past a secondary's 75 s
+        table.refresh(table.now + 30.0)
+        assert ready.choose(None, Req(turn)) is spill
+    table.refresh(table.now + 30.0)
+    assert fam.secondary is spill
+    table.refresh(table.now + table.ttl / 4)  # then nothing for 75 s: dropped
+    assert fam.secondary is None
+
+
 async def test_without_a_shared_placement_task_the_sweeper_refreshes_the_table() -> None:
     """No Redis source (or Redis down): nothing else advances the table's clock, so a
     wait for a lost answer, secondaries and families would never expire."""
