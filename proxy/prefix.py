@@ -549,11 +549,16 @@ class PrefixPolicy:
                 self._warms = fam
                 reason = SPILL
         if len(key) > 1 and self._lru_size:
+            # The last block but one: the last may hold the body's tail after the
+            # messages, which the conversation's next turn does not repeat.
+            turn = key[-2] if len(key) > 2 else key[-1]
+            new = turn not in self._lru
             self._remember(key, chosen)
-            if reason == SPILL:  # the other proxies would not follow it: tell them
-                # The last block but one: the last may hold the body's tail after the
-                # messages, which the conversation's next turn does not repeat.
-                table.spilled_turn(key[-2] if len(key) > 2 else key[-1], chosen)
+            if reason == SPILL and new:  # the other proxies would not follow it: tell them
+                # Only a block this proxy had not routed before: one it had is shared by
+                # other requests (a system prompt's last block, under a short question),
+                # and every proxy that learnt it would send the whole family there.
+                table.spilled_turn(turn, chosen)
         self._counts[chosen][reason] += 1
         return chosen
 

@@ -22,7 +22,8 @@ request path:
   malformed and deletes them: during a rolling upgrade secondaries are shared
   only among upgraded proxies.)
 - **spilled turns**: a request routed to a secondary has a deep block of its
-  key (the last but one) announced on the channel only (line `t<block hex> <at>
+  key (the last but one, when this proxy had not routed it before: one it had is
+  shared by other requests) announced on the channel only (line `t<block hex> <at>
   <url>`, not stored); every other proxy's longest-prefix memory learns it
   (first writer wins), so
   the conversation's next turn, whichever proxy it reaches, follows its history

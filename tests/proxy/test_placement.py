@@ -422,6 +422,34 @@ def test_turns_that_follow_a_conversation_to_the_secondary_keep_it_warm() -> Non
     assert fam.secondary is None
 
 
+def test_a_spill_announces_no_block_that_other_requests_share() -> None:
+    # Under a short question the last block but one is the system prompt's: announced, it
+    # taught every other proxy's longest-prefix memory that the whole family lives at the
+    # secondary (first writer wins), and one of 4 proxies sent its whole share of the
+    # hottest family there for the rest of the run (the simulator's 24 shared prompts).
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    system = "System prompt 85. " + LONG
+    first = chat(system, "Why?")
+    home = ready.choose(None, Req(first))
+    assert home is not None
+    home.inflight = 6
+    short = chat(system, "How?")
+    shared = policy.key_of(Req(short))  # type: ignore[attr-defined]
+    assert shared[-2] in policy.key_of(Req(first))  # type: ignore[attr-defined]
+    spill = ready.choose(None, Req(short))
+    assert spill is not None and spill is not home
+    assert table.turn_outbox == []  # the family's own block: not a turn of its own
+    table.families[shared[0]].warming = None  # its first answer came
+    turn = chat(system, "A question long enough to fill blocks of its own. " * 12)
+    assert ready.choose(None, Req(turn)) is spill
+    own = policy.key_of(Req(turn))  # type: ignore[attr-defined]
+    assert table.turn_outbox == [(own[-2], spill.url)]  # a block no request had: told
+
+
 async def test_without_a_shared_placement_task_the_sweeper_refreshes_the_table() -> None:
     """No Redis source (or Redis down): nothing else advances the table's clock, so a
     wait for a lost answer, secondaries and families would never expire."""
