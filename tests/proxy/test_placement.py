@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Any
 
 import pytest
 
@@ -367,12 +368,18 @@ def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None
     assert table.adopt_spills([(fid, fourth.url, 999.0)]) == 1 and fam.secondary is None
 
 
-def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
+def turn_fleet() -> tuple[ReadySet, Any, PlacementTable]:
+    """4 replicas at epsilon 1.0 with placement, the table's clock at 1000: (ready set,
+    policy, table)."""
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
-    policy = ready.policy
-    table = policy.placement  # type: ignore[attr-defined]
+    table = ready.policy.placement  # type: ignore[attr-defined]
     table.refresh(1000.0)
+    return ready, ready.policy, table
+
+
+def test_spilled_turns_are_queued_and_learnt_first_writer_wins() -> None:
+    ready, policy, table = turn_fleet()
     system = "System prompt 81. " + LONG
     home = ready.choose(None, Req(chat(system, "q")))
     assert home is not None and table.turn_outbox == []  # at home: nothing to tell
@@ -399,10 +406,7 @@ def test_turns_that_follow_a_conversation_to_the_secondary_keep_it_warm() -> Non
     # memory, which returned before the placement was asked: the secondary aged as if
     # unused and was dropped after ttl / 4 while its turns kept it warm, and the family's
     # next overflow went to a new, cold replica.
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
-    table = ready.policy.placement  # type: ignore[attr-defined]
-    table.refresh(1000.0)
+    ready, _, table = turn_fleet()
     system = "System prompt 83. " + LONG
     home = ready.choose(None, Req(chat(system, "q")))
     assert home is not None
@@ -427,11 +431,7 @@ def test_a_spill_announces_no_block_that_other_requests_share() -> None:
     # taught every other proxy's longest-prefix memory that the whole family lives at the
     # secondary (first writer wins), and one of 4 proxies sent its whole share of the
     # hottest family there for the rest of the run (the simulator's 24 shared prompts).
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
-    policy = ready.policy
-    table = policy.placement  # type: ignore[attr-defined]
-    table.refresh(1000.0)
+    ready, policy, table = turn_fleet()
     system = "System prompt 85. " + LONG
     first = chat(system, "Why?")
     home = ready.choose(None, Req(first))
