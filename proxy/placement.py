@@ -100,6 +100,13 @@ class Family:
         self.warming: ReplicaView | None = None
         self.warming_at = 0.0
 
+    def unlink(self, replica: ReplicaView) -> None:
+        """`replica` becomes the primary: it is no longer the secondary or the former."""
+        if self.secondary is replica:
+            self.secondary = None
+        if self.former is replica:
+            self.former = None
+
     def replace_secondary(self, replica: ReplicaView) -> None:
         """`replica` takes the overflow; the secondary it replaces becomes the former one
         (a move back to the former swaps them)."""
@@ -235,10 +242,7 @@ class PlacementTable:
             elif fam.primary is not replica:
                 fam.moved_from = fam.primary
                 self._uncount(fam.primary)
-                if fam.secondary is replica:
-                    fam.secondary = None
-                if fam.former is replica:
-                    fam.former = None
+                fam.unlink(replica)
                 fam.primary = replica
                 self.placed[replica] = self.placed.get(replica, 0) + 1
         return skipped
@@ -367,10 +371,7 @@ class PlacementTable:
         """`fam`'s primary is gone or excluded: `replica` is its primary now."""
         self._uncount(fam.primary)
         fam.primary = replica
-        if fam.secondary is replica:
-            fam.secondary = None
-        if fam.former is replica:
-            fam.former = None
+        fam.unlink(replica)
         self.placed[replica] = self.placed.get(replica, 0) + 1
 
     def _uncount(self, replica: ReplicaView) -> None:

@@ -552,9 +552,9 @@ class PrefixPolicy:
             # The last block but one: the last may hold the body's tail after the
             # messages, which the conversation's next turn does not repeat.
             turn = key[-2] if len(key) > 2 else key[-1]
-            new = turn not in self._lru
+            new = reason == SPILL and turn not in self._lru
             self._remember(key, chosen)
-            if reason == SPILL and new:  # the other proxies would not follow it: tell them
+            if new:  # a spill the other proxies would not follow: tell them
                 # Only a block this proxy had not routed before: one it had is shared by
                 # other requests (a system prompt's last block, under a short question),
                 # and every proxy that learnt it would send the whole family there.
