@@ -68,7 +68,7 @@ from proxy.wire.snapshot import PrefixOptions
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
 # s; a secondary that took its family's overflow this recently (on the placement table's
-# coarse clock, 1 s) is warm enough to take it at the tighter margin (_warm_overflow).
+# coarse clock, 1 s) is warm enough to share the family's load (_warm_overflow).
 WARM_RECENT = 2.0
 
 # Indexes into a replica's `routed` counters.
@@ -192,9 +192,8 @@ class PrefixPolicy:
         self._proxies = 1
         self._fullness = 0.0
         self._margin = opts.spill_margin or 1 << 30
-        self._tight = self._margin  # the margin at which a warm secondary takes over (_rescale)
         # How far above this proxy's own mean a secondary may be and still take the overflow
-        # (_rescale): 0 for a proxy alone, the tighter margin for one of several.
+        # of a primary over its bound (_rescale): 0 for a proxy alone, more for one of several.
         self._slack = 0
         self._lru_size = opts.lru_size
         self._fallback = fallback
@@ -266,33 +265,33 @@ class PrefixPolicy:
           each; but two runs of the same code there gave 0.23 and 0.37 s: bench/README.md,
           "A margin that grows as the caches fill", "A warm secondary").
         - A family whose secondary is warm (it answered the family, and took its overflow
-          in the last WARM_RECENT seconds) overflows there sooner with n > 1 proxies: at
-          `_tight`, spill_margin x (1 + fullness) / (2 n) while the caches are empty,
-          moving to the margin above as they fill, where the secondary's copy is evicted
-          sooner. Each proxy's count of a hot primary is ~1/n of the fleet's, so the
-          margin above let 4 proxies pile ~4 x 4 requests over the mean on it where one
-          proxy stops at 8-10: on the simulator's overload, past the engine's batch for 3
-          of 7 s (mean TTFT 0.25 s against one proxy's 0.09 s; with this 0.15 s;
-          bench/README.md, "A warm secondary").
-        - With n > 1 proxies a secondary is "above the mean" (the overflow leaves it for
-          another replica) only beyond `_slack`, the tighter margin, over this proxy's own
-          mean: at ~1/n of the fleet's counts the noise alone moved a hot family's
-          overflow 5-6 times in 5 s, each move a cold prefill (bench/README.md, "The
-          overflow goes back to its former secondary").
+          in the last WARM_RECENT seconds) shares its load with it, any n: once the
+          primary is above the mean, a request goes to whichever of the two holds fewer
+          (_warm_overflow). With the margin alone each of 4 proxies, counting ~1/4 of a hot
+          primary's load, piled ~4 x 4 requests over the mean on it where one proxy stops
+          at 8-10; a tighter margin on a warm secondary (spill_margin x (1 + fullness) /
+          (2 n)) halved that; comparing the two replicas' counts balances each proxy's
+          share, so the fleet's (bench/README.md, "A warm secondary", "A hot family's two
+          replicas share its load").
+        - With n > 1 proxies a secondary is "above the mean" (the overflow of a primary
+          over its bound leaves it for another replica) only beyond `_slack` over this
+          proxy's own mean: spill_margin x (1 + fullness) / (2 n) while the caches are
+          empty, moving to the margin above as they fill. At ~1/n of the fleet's counts the
+          noise alone moved a hot family's overflow 5-6 times in 5 s, each move a cold
+          prefill (bench/README.md, "The overflow goes back to its former secondary").
         """
         self._fullness = fullness
         if self._fleet_margin:
             n = self._proxies
             if n == 1:
-                self._margin = self._tight = math.ceil(self._fleet_margin * (1.0 + fullness))
+                self._margin = math.ceil(self._fleet_margin * (1.0 + fullness))
                 self._slack = 0
             else:
                 margin = max(1, math.ceil(self._fleet_margin / math.sqrt(n)))
                 share = self._fleet_margin * (1.0 + fullness) / (2 * n)
                 self._margin = margin
-                self._tight = max(1, min(margin, math.ceil(
+                self._slack = max(1, min(margin, math.ceil(
                     margin + (share - margin) * (1.0 - fullness))))
-                self._slack = self._tight
 
     def update(self, replicas: Sequence[ReplicaView]) -> None:
         self._replicas = tuple(replicas)
@@ -386,9 +385,8 @@ class PrefixPolicy:
             load = hit.inflight + hit.peer_inflight + hit.engine_queue
             if load:
                 capacity = self._capacity(factor)
-                if load >= capacity or (fam is not None and self._tight < self._margin
-                                        and hit is fam.primary
-                                        and self._warm_overflow(fam, load, factor, exclude)):
+                if load >= capacity or (fam is not None and hit is fam.primary
+                                        and self._warm_overflow(fam, load, exclude)):
                     return self._spill(key, d, exclude, capacity)
             return self._routed_known(key, d, hit, AFFINITY)
         if self.placement is not None:
@@ -482,6 +480,7 @@ class PrefixPolicy:
         fam = table.families.get(fid)
         chosen: ReplicaView | None = None
         reason = AFFINITY
+        shared = False  # the primary's load is shared with its warm secondary
         if fam is not None:
             table.families.move_to_end(fid)
             fam.used = table.now
@@ -504,12 +503,17 @@ class PrefixPolicy:
                 if load:
                     if capacity < 0:
                         capacity = self._capacity(factor)
-                    if load >= capacity or (r is fam.primary and self._tight < self._margin
-                                            and self._warm_overflow(fam, load, factor,
-                                                                    exclude)):
+                    if load >= capacity:
                         reason = SPILL
                         continue
+                    if r is fam.primary and self._warm_overflow(fam, load, exclude):
+                        # Above the mean, and its warm secondary holds fewer: there, even
+                        # above the mean itself (the two share the family's load).
+                        reason = SPILL
+                        shared = True
+                        continue
                     if (reason == SPILL and r is not fam.primary
+                            and not (shared and r is fam.secondary)
                             and r.inflight + r.engine_queue
                             >= self._capacity(1.0) + self._slack):
                         # The primary is over the bound and the secondary (or the former
@@ -562,22 +566,27 @@ class PrefixPolicy:
         self._counts[chosen][reason] += 1
         return chosen
 
-    def _warm_overflow(self, fam: Family, load: int, factor: float,
+    def _warm_overflow(self, fam: Family, load: int,
                        exclude: set[ReplicaView] | None) -> bool:
-        """The family's primary, holding `load`, overflows to its warm secondary at the
-        tighter margin (`_tight`, _rescale) while the secondary is at or below the mean
-        (as _choose_placed takes it; above, the primary within its margin is better than a
-        new, cold secondary). Warm: it answered the family, is not gone, and took the
-        family's overflow within WARM_RECENT, so it still holds the prompt on any engine (a
-        per-slot cache like llama.cpp's reuses the slot soon after)."""
+        """The family's primary, holding `load` (above the mean), shares it with the
+        family's warm secondary: this request goes there when it holds fewer. Warm: it
+        answered the family, is not gone, and took the family's overflow within
+        WARM_RECENT, so it still holds the prompt on any engine (a per-slot cache like
+        llama.cpp's reuses the slot soon after).
+
+        The two replicas' own counts are compared, not one against a margin over the mean:
+        each of N proxies sees ~1/N of the fleet's requests, so a margin on its counts is
+        N times too loose or noise, where balancing its own share between the two
+        balances the fleet's (bench/README.md, "A hot family's two replicas share its
+        load")."""
         secondary = fam.secondary
         table = self.placement
         return (secondary is not None and fam.warming is None and secondary.left_at is None
+                and secondary.inflight + secondary.peer_inflight + secondary.engine_queue
+                < load
                 and table is not None and fam.secondary_used >= table.now - WARM_RECENT
                 and (exclude is None or secondary not in exclude)
-                and load >= self._capacity(factor, self._tight)
-                and secondary.inflight + secondary.engine_queue
-                < self._capacity(1.0) + self._slack)
+                and load >= self._capacity(1.0))
 
     def learn(self, blocks: Iterable[tuple[int, str, float]]) -> int:
         """The longest-prefix memory learns blocks other proxies routed off their family's

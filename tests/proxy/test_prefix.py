@@ -535,65 +535,74 @@ def test_the_spill_margin_grows_to_twice_as_placed_families_fill_the_caches() ->
         assert policy.spill_margin == margin, (fullness, proxies)  # type: ignore[attr-defined]
 
 
-def test_with_several_proxies_a_family_overflows_to_its_warm_secondary_sooner() -> None:
-    # Each of 4 proxies counts ~1/4 of a hot primary's load: the margin 8 / sqrt(4) = 4
-    # let 4 proxies pile ~16 requests over the mean on it, where one proxy stops at 8-10.
-    # Once the family's secondary has answered and took its overflow lately (warm), the
-    # overflow goes there at the tighter margin: spill_margin x (1 + fullness) / 8 while
-    # the caches have room.
+@pytest.mark.parametrize("proxies", [1, 4])
+def test_a_hot_family_shares_its_load_with_its_warm_secondary(proxies: int) -> None:
+    # Each of 4 proxies counts ~1/4 of a hot primary's load: a margin over the mean let
+    # them pile ~16 requests over it, where one proxy stops at 8-10. Once the family's
+    # secondary has answered and took its overflow lately (warm), a request goes to
+    # whichever of the two holds fewer, as soon as the primary is above the mean: each
+    # proxy balancing its own share balances the fleet's.
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
                                                              replica_families=13)))
     policy = ready.policy
     table = policy.placement  # type: ignore[attr-defined]
-    policy.set_proxies(4)  # type: ignore[attr-defined]
+    policy.set_proxies(proxies)  # type: ignore[attr-defined]
     hot = bodies(1, seed=41)[0]
     top = ready.choose(None, Req(hot))
     assert top is not None
-    table.refresh(table.now)  # 1 family of 52: fullness 1/52
-    top.inflight = 5  # under ceil(6 / 4) + 4 = 6, and no secondary yet: stays
+    others = [r for r in ready.replicas if r is not top]
+    table.refresh(table.now)  # 1 family of 52: fullness 1/52, seen at the next bound
+    top.inflight = 1
     assert ready.choose(None, Req(hot)) is top
-    assert (policy.spill_margin, policy._tight) == (4, 2)  # type: ignore[attr-defined]
-    top.inflight = 6  # over the bound: a new secondary, warming
+    assert policy.spill_margin == (9 if proxies == 1 else 4)  # type: ignore[attr-defined]
+    bound = 13 if proxies == 1 else 6  # min(4 x the mean, ceil(mean) + margin), it counted
+    top.inflight = bound - 1  # within the bound, and no secondary yet: stays
+    assert ready.choose(None, Req(hot)) is top
+    top.inflight = bound  # over it: a new secondary, warming
     second = ready.choose(None, Req(hot))
     fam = table.families[key(hot)[0]]
     assert second is not None and second is not top
     assert fam.secondary is second and fam.warming is second
-    top.inflight = 3  # ceil(4 / 4) + 2 = 3: over the tighter margin, but the secondary
-    assert ready.choose(None, Req(hot)) is top  # has not answered: it would compute again
+    top.inflight = 3  # above the mean, the secondary idle: but it has not answered,
+    assert ready.choose(None, Req(hot)) is top  # so it would compute the prompt again
     fam.warming = None  # its first answer came
     assert ready.choose(None, Req(hot)) is second
-    top.inflight = 2  # under it
+    second.inflight = 3  # as many: the primary
     assert ready.choose(None, Req(hot)) is top
-    top.inflight = 3
+    # Both above the mean, far above with several proxies' noisy counts: the one that
+    # holds fewer, not the primary up to its bound.
+    top.inflight, second.inflight = 6, 5  # within the bound (4 proxies: 7)
+    assert ready.choose(None, Req(hot)) is second
+    top.inflight, second.inflight = 1, 0  # the primary at or below the mean: it keeps its
+    for r in others:  # family (the secondary is for its overflow)
+        if r is not second:
+            r.inflight = 4  # the mean: 9 / 4
+    assert ready.choose(None, Req(hot)) is top
+    for r in others:
+        r.inflight = 0
+    top.inflight, second.inflight = 3, 0
     table.refresh(table.now + 3)  # the secondary took nothing for 3 s: its copy may be gone
     assert ready.choose(None, Req(hot)) is top
     table.refresh(table.now + 1)
     fam.secondary_used = table.now  # another proxy's overflow went there just now
     assert ready.choose(None, Req(hot)) is second
-    # The secondary above this proxy's mean, but by no more than the tighter margin (its
-    # count is ~1/4 of the fleet's, and noisy): still warm, still taken.
-    top.inflight, second.inflight = 6, 4  # over ceil(11 / 4) + 2 = 5; 4 < 10 // 4 + 1 + 2
-    assert ready.choose(None, Req(hot)) is second
-    top.inflight, second.inflight = 6, 6  # over ceil(13 / 4) + 2 = 6, but the secondary is
-    assert ready.choose(None, Req(hot)) is top  # above it (12 // 4 + 1 + 2): the primary
-    assert fam.secondary is second  # within its margin, not a new, cold secondary
-    top.inflight, second.inflight = 4, 0  # over ceil(5 / 4) + 2 = 4
-    assert ready.choose({second}, Req(hot)) is top  # excluded (failed): likewise
-    top.inflight = 3
-    second.left_at = 1.0  # gone: the primary holds up to its margin again
-    top.inflight = 5
+    assert ready.choose({second}, Req(hot)) is top  # excluded (failed): the primary
+    second.left_at = 1.0  # gone: likewise
     assert ready.choose(None, Req(hot)) is top
     second.left_at = None
-    policy.set_proxies(1)  # type: ignore[attr-defined]
-    assert ready.choose(None, Req(hot)) is top  # one proxy: 5 < ceil(6 / 4) + 9
-    # The tighter margin moves to the plain one as the caches fill (the secondary's copy
-    # is evicted sooner), and is the plain one for a proxy alone.
-    for fullness, proxies, tight in [(0.0, 4, 1), (0.5, 4, 3), (1.0, 4, 4), (0.0, 2, 2),
-                                     (0.5, 1, 12), (0.0, 1, 8)]:
-        policy.set_proxies(proxies)  # type: ignore[attr-defined]
+    # The primary over its bound and the secondary above the mean beyond the slack:
+    # the overflow moves to a new replica (cold, warming), the secondary is the former.
+    top.inflight, second.inflight = 30, 29
+    third = ready.choose(None, Req(hot))
+    assert third not in (top, second) and fam.secondary is third and fam.former is second
+    # The slack (how far above this proxy's own mean a secondary still takes a full
+    # primary's overflow) grows with the caches' fullness, and is 0 for a proxy alone.
+    for fullness, n, slack in [(0.0, 4, 1), (0.5, 4, 3), (1.0, 4, 4), (0.0, 2, 2),
+                               (0.5, 1, 0), (0.0, 1, 0)]:
+        policy.set_proxies(n)  # type: ignore[attr-defined]
         policy._rescale(fullness)  # type: ignore[attr-defined]
-        assert policy._tight == tight, (fullness, proxies)  # type: ignore[attr-defined]
+        assert policy._slack == slack, (fullness, n)  # type: ignore[attr-defined]
 
 
 def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
