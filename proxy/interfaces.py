@@ -160,6 +160,7 @@ class ReplicaView(Protocol):
     inflight: int  # requests holding this replica now
     engine_queue: int  # requests waiting in its engine (0 unless --engine-load)
     peer_inflight: int  # the other proxies' in flight there (0 unless --fleet-load)
+    peer_seen: int  # the same, from the in-flight hash (a second old), with or without it
     prefilling: int  # of `inflight`, sent as a predicted cold prefill, no response byte yet
     left_at: float | None  # when it left the ready set; None while in it
     pool: ConnectionPool | None

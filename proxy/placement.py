@@ -296,8 +296,12 @@ class PlacementTable:
 
     def place(self, order: Sequence[ReplicaView], exclude: set[ReplicaView] | None,
               bound: int, skip: ReplicaView | None = None, *,
-              fleet: bool = False) -> ReplicaView | None:
-        """The best replica for a family (see the module docstring); None: nobody."""
+              fleet: bool = False, seen: bool = False) -> ReplicaView | None:
+        """The best replica for a family (see the module docstring); None: nobody.
+        `seen`: order by the fleet's load as the in-flight hash showed it (`peer_seen`, a
+        second old) plus this proxy's live counts: for a placed family's overflow, a
+        decision the other proxies adopt, where this proxy's own ~1/N share of the counts
+        is noise."""
         placed = self.placed
         capacity = self.capacity
         default = self.default_capacity
@@ -315,6 +319,8 @@ class PlacementTable:
             load = r.inflight + r.engine_queue
             over = (load + r.peer_inflight if fleet else load) >= bound
             load += r.prefilling  # a cold prefill in flight counts twice in the order
+            if seen:
+                load += r.peer_seen
             n = placed.get(r, 0)
             cap = capacity.get(r, default)
             full = n >= cap

@@ -540,7 +540,7 @@ class PrefixPolicy:
                 capacity = self._capacity(factor)
             chosen = table.place(self.order_for(fid & (SLOTS - 1)), exclude, capacity,
                                  fam.primary if fam is not None else None,
-                                 fleet=factor != 1.0)
+                                 fleet=factor != 1.0, seen=fam is not None)
             if chosen is None:
                 return self._fall_back(exclude)
             if fam is None:

@@ -76,6 +76,7 @@ class Replica:
         "left_at",
         "path",
         "peer_inflight",
+        "peer_seen",
         "pool",
         "port",
         "prefilling",
@@ -115,6 +116,11 @@ class Replica:
         # (--fleet-load: proxy/sources/placement.py, ~100 ms old; else 0); the prefix
         # policy's load bound adds it.
         self.peer_inflight = 0
+        # The other proxies' in flight here as the in-flight hash showed it (up to a second
+        # old, with or without --fleet-load; proxy/sources/redis.py): the prefix policy
+        # orders the replicas for a family's overflow by it (one decision a family, which
+        # the other proxies adopt: it cannot herd them).
+        self.peer_seen = 0
         # Of `inflight`, requests this proxy sent as a predicted cold prefill (the prefix
         # policy's miss) whose response has not begun: placement avoids piling a second
         # cold prompt onto a replica still computing one (proxy/placement.py).

@@ -92,6 +92,7 @@ _INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
 # that stopped leaves its field behind until the hash expires.
 PEER_FRESH = 3.0
 MAX_PEERS = 1024  # in-flight entries read per flush (the rest are skipped)
+MAX_SEEN = 1 << 20  # a replica's peer_seen is clamped here
 
 
 class RedisSource:
@@ -445,6 +446,7 @@ class RedisSource:
         set each known replica's `peer_inflight` to their in-flight counts (else 0)."""
         assert self._ready_set is not None
         sums: dict[str, int] = {}
+        seen: dict[str, int] = {}
         bad = 0
         fresh = 0
         if isinstance(raw, dict):
@@ -466,6 +468,8 @@ class RedisSource:
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
                 fresh += 1
+                for url, count in entry.replicas.items():
+                    seen[url] = seen.get(url, 0) + count
                 if self._fleet_load and crc32(proxy) not in heard:
                     for url, count in entry.replicas.items():
                         sums[url] = sums.get(url, 0) + count
@@ -473,6 +477,8 @@ class RedisSource:
             log.warning("service %s: %d in-flight entries of other proxies skipped "
                         "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
             self._peers_warned = True
+        for url, replica in self._ready_set.known.items():
+            replica.peer_seen = min(seen.get(url, 0), MAX_SEEN)
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)

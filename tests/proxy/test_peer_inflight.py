@@ -94,6 +94,8 @@ async def test_without_fleet_load_the_other_proxies_counts_are_not_counted(
         only.inflight = 2
         await until(lambda: flushed(2), what="the next flush")
         assert only.peer_inflight == 0
+        # Seen all the same (a second old): a family's overflow is placed by it.
+        assert only.peer_seen == 9
     finally:
         only.inflight = 0
         await source.aclose()

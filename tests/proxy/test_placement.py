@@ -165,6 +165,36 @@ def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
     assert fam.primary is home and fam.secondary is third
 
 
+def test_a_familys_overflow_goes_where_the_fleet_is_least_loaded() -> None:
+    # Each of N proxies counts ~1/N of the fleet's requests: on its own counts, one of 4
+    # proxies sent the hottest family's overflow to a replica holding three other
+    # families while another idled. A first spill is one decision the other proxies
+    # adopt, so it is ordered by the fleet's load as the in-flight hash showed it (a
+    # second old, `peer_seen`) plus this proxy's live counts.
+    _, body, home, spill, _ = spilled_family()  # where this proxy's counts alone send it
+    options = PrefixOptions(epsilon=0.5, placement="capacity")
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=options))
+    by_url = {r.url: r for r in ready.replicas}
+    assert ready.choose(None, Req(body)) is by_url[home.url]
+    by_url[spill.url].peer_seen = 10  # the other proxies have 10 in flight there
+    by_url[home.url].inflight = 6
+    first = ready.choose(None, Req(body))
+    assert first is not None and first.url not in (home.url, spill.url)
+    # A new family is placed on this proxy's live counts alone: every proxy preferring
+    # the replica that looked idle a second ago would herd there.
+    other = bodies(2, seed=43)[1]
+    alone = ReadySet()
+    alone.apply(snapshot(1, *URLS[:4], options=options))
+    where = alone.choose(None, Req(other))
+    assert where is not None
+    fresh = ReadySet()
+    fresh.apply(snapshot(1, *URLS[:4], options=options))
+    for r in fresh.replicas:
+        r.peer_seen = 10 if r.url == where.url else 0
+    assert fresh.choose(None, Req(other)).url == where.url  # type: ignore[union-attr]
+
+
 def test_the_overflow_waits_at_the_primary_while_a_new_secondary_computes_the_prompt() -> None:
     ready, body, home, spill, fam = spilled_family(answered=False)
     assert fam.secondary is spill and fam.warming is spill

@@ -90,6 +90,7 @@ class Fake:
     target_qps: float | None = None
     engine_queue: int = 0
     peer_inflight: int = 0
+    peer_seen: int = 0
     prefilling: int = 0
 
 
