@@ -29,8 +29,11 @@ bound (and `spill_margin` above the mean: PrefixPolicy._capacity), else to its
 secondary while that is at or below the mean in flight (a hot family spills to
 one more replica only when its own is saturated), else to its former secondary (the
 one the overflow last moved off: it still holds the prompt) while that is, else to
-a new secondary chosen as above (the overflow moves to the least loaded; the two
-swap when it goes back to the former). While the first request this proxy spilled
+a new secondary chosen as above, its load counting the other proxies' in flight as the
+in-flight hash showed it a second ago (`peer_seen`: this proxy's own counts are ~1/N of
+the fleet's, and a first spill is one decision the others adopt, so it cannot herd
+them); the overflow moves to the least loaded, and the two swap when it goes back to
+the former. While the first request this proxy spilled
 to a new secondary has no response byte yet (`Family.warming`: that replica is
 still computing the prompt), the overflow stays at the primary: on an
 engine with one cache per slot (llama.cpp) a second request there would compute the

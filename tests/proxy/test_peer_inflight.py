@@ -230,8 +230,9 @@ def test_a_replica_the_other_proxies_filled_is_over_the_bound(placement: str) ->
 
 @pytest.mark.parametrize("placement", ["rendezvous", "capacity"])
 def test_a_new_prefix_is_judged_on_this_proxys_own_live_counts(placement: str) -> None:
-    """The others' counts are up to a second old: a new family (or a unique prompt) is
-    placed as if they were not there, or every proxy would herd onto the replica that
+    """The others' counts are up to a second old (`peer_inflight` with --fleet-load, the
+    in-flight hash's `peer_seen` always): a new family (or a unique prompt) is placed as
+    if they were not there, or every proxy would herd onto the replica that
     looked idle a second ago (on the simulator: +16-47 % TTFT on unique prompts)."""
     options = PrefixOptions(placement=placement)
     body = bodies(1, seed=9)[0]
@@ -242,6 +243,6 @@ def test_a_new_prefix_is_judged_on_this_proxys_own_live_counts(placement: str) -
     busy = ReadySet()
     busy.apply(snapshot(1, *URLS[:4], options=options))
     for r in busy.replicas:
-        r.peer_inflight = 30 if r.url == where.url else 0
+        r.peer_inflight = r.peer_seen = 30 if r.url == where.url else 0
     chosen = busy.choose(None, Req(body))
     assert chosen is not None and chosen.url == where.url
