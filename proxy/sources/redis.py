@@ -71,7 +71,7 @@ from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
-from proxy.sources.placement import PlacementSync
+from proxy.sources.placement import MAX_LOAD, PlacementSync
 from proxy.stats import Stats
 from proxy.stopping import bounded, stop_tasks
 from proxy.tally import RoutedTally, cut_total, response_classes
@@ -92,7 +92,6 @@ _INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
 # that stopped leaves its field behind until the hash expires.
 PEER_FRESH = 3.0
 MAX_PEERS = 1024  # in-flight entries read per flush (the rest are skipped)
-MAX_SEEN = 1 << 20  # a replica's peer_seen is clamped here
 
 
 class RedisSource:
@@ -468,17 +467,17 @@ class RedisSource:
                 if not cut <= entry.at <= now + PEER_FRESH:
                     continue  # a proxy that stopped, or a clock far ahead
                 fresh += 1
+                counted = self._fleet_load and crc32(proxy) not in heard
                 for url, count in entry.replicas.items():
                     seen[url] = seen.get(url, 0) + count
-                if self._fleet_load and crc32(proxy) not in heard:
-                    for url, count in entry.replicas.items():
+                    if counted:
                         sums[url] = sums.get(url, 0) + count
         if bad and not self._peers_warned:
             log.warning("service %s: %d in-flight entries of other proxies skipped "
                         "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
             self._peers_warned = True
         for url, replica in self._ready_set.known.items():
-            replica.peer_seen = min(seen.get(url, 0), MAX_SEEN)
+            replica.peer_seen = min(seen.get(url, 0), MAX_LOAD)
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)
