@@ -59,6 +59,11 @@ def peers(ready_set: ReadySet) -> dict[int, int]:
     return {r.id: r.peer_inflight for r in ready_set.known.values()}
 
 
+def seen(ready_set: ReadySet) -> dict[int, int]:
+    """The same counts as `peer_seen` (set with or without --fleet-load)."""
+    return {r.id: r.peer_seen for r in ready_set.known.values()}
+
+
 async def test_the_other_proxies_counts_are_summed_per_replica(
     redis_client: aioredis.Redis, followed: tuple[ReadySet, str]
 ) -> None:
@@ -167,9 +172,11 @@ async def test_a_hostile_or_stale_entry_is_skipped_and_the_rest_count(
            .replace(b"STALE", repr(now - PEER_FRESH - 5).encode()))  # fmt: skip
     await redis_client.hset(key, mapping={"evil:1": bad, "peer-a:1": entry({one: 2})})
     await until(lambda: peers(ready_set)[1] == 2, what="the good entry alone")
+    assert seen(ready_set)[1] == 2  # the overflow's order skips it too
     # The same entry, well-formed and fresh, would count: the test can fail.
     await redis_client.hset(key, "evil:1", entry({one: 30}))
     await until(lambda: peers(ready_set)[1] == 32, what="a good entry in its place")
+    assert seen(ready_set)[1] == 32
     assert len(ready_set.replicas) == 2
 
 
@@ -182,6 +189,7 @@ async def test_more_entries_than_read_are_skipped_not_summed_without_bound(
         f"flood:{i}": entry({one: 1}) for i in range(MAX_PEERS + 500)})
     await until(lambda: peers(ready_set)[1] > 0, what="the flood to be read")
     assert peers(ready_set)[1] <= MAX_PEERS
+    assert 0 < seen(ready_set)[1] <= MAX_PEERS
 
 
 # -- the policy's side: the bound judges the fleet, not this proxy's share -------------
