@@ -35,9 +35,10 @@ the fleet's, and a first spill is one decision the others adopt, so it cannot he
 them); the overflow moves to the least loaded, and the two swap when it goes back to
 the former. While the first request this proxy spilled
 to a new secondary has no response byte yet (`Family.warming`: that replica is
-still computing the prompt), the overflow stays at the primary: on an
-engine with one cache per slot (llama.cpp) a second request there would compute the
-prompt again, both stalling it (vLLM would match the second once the first is
+still computing the prompt), the overflow waits at the former secondary while that is
+within the bound and was used in the last 2 s (it holds the prompt), else at the
+primary: on an engine with one cache per slot (llama.cpp) a second request there
+would compute the prompt again, both stalling it (vLLM would match the second once the first is
 scheduled, so there the wait costs little: bench/README.md). With shared
 placement the other proxies wait for it too (`adopt_spills`, `adopt_warm`); a wait
 ends after WARM_HOLD at the latest. A primary that left the set is replaced (the

@@ -481,6 +481,7 @@ class PrefixPolicy:
         chosen: ReplicaView | None = None
         reason = AFFINITY
         shared = False  # the primary's load is shared with its warm secondary
+        held = False  # waiting for a new secondary's first answer
         if fam is not None:
             table.families.move_to_end(fid)
             fam.used = table.now
@@ -494,10 +495,11 @@ class PrefixPolicy:
                     # The first request this proxy spilled there is still computing the
                     # prompt: on a per-slot cache (llama.cpp) a second would compute it
                     # again (a cold prefill each, both stalling that replica). The overflow
-                    # waits at the primary (over the bound, not gone) until the first
-                    # answers.
-                    chosen = fam.primary
-                    reason = AFFINITY
+                    # waits until the first answers: at the former secondary, which still
+                    # holds the prompt, while that is within the bound, else at the primary
+                    # (over the bound, not gone).
+                    chosen = self._held(fam, exclude, capacity)
+                    held = True
                     break
                 load = r.inflight + r.peer_inflight + r.engine_queue
                 if load:
@@ -529,7 +531,13 @@ class PrefixPolicy:
                 break
             if chosen is not None:
                 self._predicted = PREDICTED_HIT  # the family's own replica
-                if chosen is fam.secondary:
+                if held:
+                    if chosen is fam.primary:
+                        reason = AFFINITY
+                    else:  # the former: kept warm while the hold lasts
+                        fam.former_used = table.now
+                        reason = SPILL
+                elif chosen is fam.secondary:
                     fam.secondary_used = table.now
                     reason = SPILL
                 elif chosen is not fam.primary:  # the former secondary, still warm: back
@@ -565,6 +573,22 @@ class PrefixPolicy:
                 table.spilled_turn(turn, chosen)
         self._counts[chosen][reason] += 1
         return chosen
+
+    def _held(self, fam: Family, exclude: set[ReplicaView] | None,
+              capacity: int) -> ReplicaView:
+        """Where a family's overflow waits while its new secondary computes the prompt:
+        the former secondary (warm, the one the overflow just moved off) while it is within
+        the bound (`capacity`), else the primary."""
+        former = fam.former
+        if capacity < 0:
+            capacity = self._capacity(self._load_factor)
+        if (former is not None and former.left_at is None
+                and (exclude is None or former not in exclude)
+                and former.inflight + former.peer_inflight + former.engine_queue < capacity
+                and self.placement is not None
+                and fam.former_used >= self.placement.now - WARM_RECENT):
+            return former
+        return fam.primary
 
     def _warm_overflow(self, fam: Family, load: int,
                        exclude: set[ReplicaView] | None) -> bool:

@@ -206,6 +206,40 @@ def test_the_overflow_waits_at_the_primary_while_a_new_secondary_computes_the_pr
     assert ready.choose(None, Req(body)) is third
 
 
+def test_while_a_moved_overflow_warms_it_waits_at_the_former_secondary() -> None:
+    # The overflow moved off a secondary above the mean to a cold replica: while that one
+    # computes the prompt, the overflow waited at the primary, over its bound (a trace of
+    # overload seed 1 with 4 proxies: 0.7 s with the primary at 37-40 in flight, the
+    # former secondary at 27). The former still holds the prompt: it waits there while
+    # that is within the bound.
+    ready, body, home, spill, fam = spilled_family()
+    others = [r for r in ready.replicas if r not in (home, spill)]
+    home.inflight, spill.inflight, others[0].inflight = 6, 3, 1
+    moved = ready.choose(None, Req(body))
+    assert moved is others[1] and fam.warming is moved and fam.former is spill
+    again = Req(body)
+    assert ready.choose(None, again) is spill  # within the bound: ceil(1.5 x 12 / 4) = 5
+    assert not again.cold and again.warms is None
+    assert (fam.secondary, fam.former, fam.warming) == (moved, spill, moved)  # no swap
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(table.now + 1.5)
+    fam.former_used = table.now - 1.5  # its last use before the move
+    assert ready.choose(None, Req(body)) is spill
+    assert fam.former_used == table.now  # used: warm while the hold lasts
+    spill.inflight = 5  # at the bound: the primary, as before
+    assert ready.choose(None, Req(body)) is home
+    spill.inflight = 3
+    fam.former_used = table.now - 3  # nothing went there for 3 s: its copy may be gone
+    assert ready.choose(None, Req(body)) is home
+    fam.former_used = table.now
+    spill.left_at = 1.0  # gone
+    assert ready.choose(None, Req(body)) is home
+    spill.left_at = None
+    assert ready.choose({spill}, Req(body)) is home  # excluded (it failed this request)
+    fam.warming = None  # the first answer came: the new secondary takes the overflow
+    assert ready.choose(None, Req(body)) is moved
+
+
 def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -> None:
     ready, body, home, spill, fam = spilled_family()
     others = [r for r in ready.replicas if r not in (home, spill)]
