@@ -38,8 +38,8 @@ to a new secondary has no response byte yet (`Family.warming`: that replica is
 still computing the prompt), the overflow waits at the former secondary while that is
 within the bound and was used in the last 2 s (it holds the prompt), else at the
 primary: on an engine with one cache per slot (llama.cpp) a second request there
-would compute the prompt again, both stalling it (vLLM would match the second once the first is
-scheduled, so there the wait costs little: bench/README.md). With shared
+would compute the prompt again, both stalling it (vLLM would match the second once the
+first is scheduled, so there the wait costs little: bench/README.md). With shared
 placement the other proxies wait for it too (`adopt_spills`, `adopt_warm`); a wait
 ends after WARM_HOLD at the latest. A primary that left the set is replaced (the
 family moves).

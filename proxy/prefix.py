@@ -498,7 +498,7 @@ class PrefixPolicy:
                     # waits until the first answers: at the former secondary, which still
                     # holds the prompt, while that is within the bound, else at the primary
                     # (over the bound, not gone).
-                    chosen = self._held(fam, exclude, capacity)
+                    chosen = self._held(fam, exclude, capacity, table.now)
                     held = True
                     break
                 load = r.inflight + r.peer_inflight + r.engine_queue
@@ -574,19 +574,19 @@ class PrefixPolicy:
         self._counts[chosen][reason] += 1
         return chosen
 
-    def _held(self, fam: Family, exclude: set[ReplicaView] | None,
-              capacity: int) -> ReplicaView:
+    def _held(self, fam: Family, exclude: set[ReplicaView] | None, capacity: int,
+              now: float) -> ReplicaView:
         """Where a family's overflow waits while its new secondary computes the prompt:
-        the former secondary (warm, the one the overflow just moved off) while it is within
-        the bound (`capacity`), else the primary."""
+        the former secondary (the one the overflow just moved off) while it is within the
+        bound (`capacity`) and took the family's overflow within WARM_RECENT (it holds
+        the prompt), else the primary."""
         former = fam.former
         if capacity < 0:
             capacity = self._capacity(self._load_factor)
         if (former is not None and former.left_at is None
                 and (exclude is None or former not in exclude)
                 and former.inflight + former.peer_inflight + former.engine_queue < capacity
-                and self.placement is not None
-                and fam.former_used >= self.placement.now - WARM_RECENT):
+                and fam.former_used >= now - WARM_RECENT):
             return former
         return fam.primary
 
