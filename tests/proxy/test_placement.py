@@ -148,6 +148,20 @@ def spilled_family(seed: int = 41, *, answered: bool = True
     return ready, body, home, spill, fam
 
 
+def moved_family() -> tuple[ReadySet, bytes, Replica, Replica, Family, Replica, Replica]:
+    """spilled_family(), then its secondary above the mean: the overflow moved to the
+    least loaded other replica, warming (it computes the prompt first), the one it left
+    the former secondary: (ready set, body, home, former, family, new secondary, the
+    other replica, 1 in flight)."""
+    ready, body, home, spill, fam = spilled_family()
+    others = [r for r in ready.replicas if r not in (home, spill)]
+    home.inflight, spill.inflight, others[0].inflight = 6, 3, 1
+    moved = ready.choose(None, Req(body))
+    assert moved is others[1] and fam.secondary is moved and fam.warming is moved
+    assert fam.former is spill
+    return ready, body, home, spill, fam, moved, others[0]
+
+
 def test_a_saturated_family_spills_to_one_more_replica_and_comes_back() -> None:
     ready, body, home, spill, fam = spilled_family()
     assert fam.primary is home and fam.secondary is spill
@@ -212,11 +226,7 @@ def test_while_a_moved_overflow_warms_it_waits_at_the_former_secondary() -> None
     # overload seed 1 with 4 proxies: 0.7 s with the primary at 37-40 in flight, the
     # former secondary at 27). The former still holds the prompt: it waits there while
     # that is within the bound.
-    ready, body, home, spill, fam = spilled_family()
-    others = [r for r in ready.replicas if r not in (home, spill)]
-    home.inflight, spill.inflight, others[0].inflight = 6, 3, 1
-    moved = ready.choose(None, Req(body))
-    assert moved is others[1] and fam.warming is moved and fam.former is spill
+    ready, body, home, spill, fam, moved, _ = moved_family()
     again = Req(body)
     assert ready.choose(None, again) is spill  # within the bound: ceil(1.5 x 12 / 4) = 5
     assert not again.cold and again.warms is None
@@ -258,19 +268,14 @@ def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -
 
 
 def test_the_overflow_goes_back_to_its_former_secondary_warm_before_a_cold_replica() -> None:
-    ready, body, home, spill, fam = spilled_family()
-    others = [r for r in ready.replicas if r not in (home, spill)]
     # The secondary above the mean: the overflow moves to the least loaded other one,
     # which computes the prompt first (warming); the one it left is the former secondary.
-    home.inflight, spill.inflight, others[0].inflight = 6, 3, 1
-    moved = ready.choose(None, Req(body))
-    assert moved is others[1] and fam.secondary is moved and fam.warming is moved
-    assert fam.former is spill
+    ready, body, _, spill, fam, moved, idle = moved_family()
     fam.warming = None  # its first answer came
     # Now the new secondary is above the mean and the former one is not: the overflow goes
     # back there (it holds the prompt: no warming hold, no cold prefill), not to the idle
-    # replica the least-loaded order would pick (others[0], 0 in flight).
-    moved.inflight, spill.inflight, others[0].inflight = 4, 1, 0
+    # replica the least-loaded order would pick (`idle`, 0 in flight).
+    moved.inflight, spill.inflight, idle.inflight = 4, 1, 0
     back = Req(body)
     assert ready.choose(None, back) is spill
     assert fam.secondary is spill and fam.former is moved and fam.warming is None
@@ -280,7 +285,7 @@ def test_the_overflow_goes_back_to_its_former_secondary_warm_before_a_cold_repli
     # Both above the mean: a cold replica after all (and it warms first).
     spill.inflight = 4
     third = ready.choose(None, Req(body))
-    assert third is others[0] and fam.warming is third and fam.former is spill
+    assert third is idle and fam.warming is third and fam.former is spill
     # A former secondary unused for a quarter of the TTL is forgotten, like a secondary.
     table = ready.policy.placement  # type: ignore[attr-defined]
     table.refresh(table.now + table.ttl / 4 + 1)
