@@ -507,6 +507,14 @@ async def run_example(bench: Bench, session: list[list[Batch]]) -> Outcome:
     return out
 
 
+# Large bodies are part of the model (data_too_large is suppressed for them). When an
+# example fails, hypothesis replays it and warns if its repr passes 30 kB; pytest's
+# filterwarnings = error raised that warning instead of the example's own failure, which
+# it hid (CI, a 569 kB example).
+LARGE_REPR = "ignore:Generating overly large repr:hypothesis.errors.HypothesisWarning"
+
+
+@pytest.mark.filterwarnings(LARGE_REPR)
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(session=sessions)
