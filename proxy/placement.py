@@ -33,7 +33,11 @@ a new secondary chosen as above, its load counting the other proxies' in flight 
 in-flight hash showed it a second ago (`peer_seen`: this proxy's own counts are ~1/N of
 the fleet's, and a first spill is one decision the others adopt, so it cannot herd
 them); the overflow moves to the least loaded, and the two swap when it goes back to
-the former. While the first request this proxy spilled
+the former. A family whose primary and secondary both hold more than the mean, while
+another replica holds less (by 2 in flight each, on the fleet's counts), gets that replica
+as a third copy while the caches are at most half full (`Family.third`, unshared: each
+proxy finds its own); once the primary is above the mean a request goes to whichever
+warm copy holds the fewest (PrefixPolicy._warm_copy). While the first request this proxy spilled
 to a new secondary has no response byte yet (`Family.warming`: that replica is
 still computing the prompt), the overflow waits at the former secondary while that is
 within the bound and was used in the last 2 s (it holds the prompt), else at the
@@ -82,7 +86,8 @@ class Family:
     """One family's replicas: `primary` (where it is placed), `secondary` (its spill)."""
 
     __slots__ = ("former", "former_used", "moved_from", "primary", "secondary",
-                 "secondary_used", "used", "warming", "warming_at")
+                 "secondary_used", "third", "third_checked", "third_cold", "third_used", "used",
+                 "warming", "warming_at")
 
     def __init__(self, primary: ReplicaView, now: float) -> None:
         self.primary = primary
@@ -103,13 +108,22 @@ class Family:
         # by refresh() once older than WARM_HOLD (`warming_at`).
         self.warming: ReplicaView | None = None
         self.warming_at = 0.0
+        # A third copy sharing a hot family's load with the primary and the secondary
+        # (PrefixPolicy._warm_copy); `third_cold`: no request was routed there yet.
+        self.third: ReplicaView | None = None
+        self.third_used = 0.0
+        self.third_cold = False
+        self.third_checked = 0.0  # the clock tick a proxy of several last looked for one
 
     def unlink(self, replica: ReplicaView) -> None:
-        """`replica` becomes the primary: it is no longer the secondary or the former."""
+        """`replica` becomes the primary: it is no longer the secondary, the former or the
+        third copy."""
         if self.secondary is replica:
             self.secondary = None
         if self.former is replica:
             self.former = None
+        if self.third is replica:
+            self.third = None
 
     def replace_secondary(self, replica: ReplicaView) -> None:
         """`replica` takes the overflow; the secondary it replaces becomes the former one
@@ -118,6 +132,8 @@ class Family:
             self.former, self.former_used = self.secondary, self.secondary_used
         elif self.former is replica:
             self.former = None
+        if self.third is replica:
+            self.third = None
         self.secondary = replica
 
 
@@ -175,6 +191,8 @@ class PlacementTable:
                 fam.secondary = None
             if fam.former is not None and fam.former not in live:
                 fam.former = None
+            if fam.third is not None and fam.third not in live:
+                fam.third = None
             if fam.primary not in live:
                 if fam.secondary is None:
                     del self.families[fid]
@@ -212,6 +230,8 @@ class PlacementTable:
                 fam.secondary = None
             if fam.former is not None and fam.former_used < spill_cut:
                 fam.former = None
+            if fam.third is not None and fam.third_used < spill_cut:
+                fam.third = None
         for fam, _ in self.warming_spills.values():  # including families dropped since
             if fam.warming_at < warm_cut:
                 fam.warming = None

@@ -68,8 +68,16 @@ from proxy.wire.snapshot import PrefixOptions
 
 SLOTS = 4096  # rendezvous is computed per slot of the key space (a power of two)
 # s; a secondary that took its family's overflow this recently (on the placement table's
-# coarse clock, 1 s) is warm enough to share the family's load (_warm_overflow).
+# coarse clock, 1 s) is warm enough to share the family's load (_warm_copy).
 WARM_RECENT = 2.0
+# A hot family gets a third copy (_warm_copy) only while the caches are at most this full
+# (the placement table's families over the replicas' summed capacity): in fuller caches
+# a third copy evicts another family's prompt.
+THIRD_COPY_FULLNESS = 0.5
+# In flight the primary and the secondary each hold above the mean, and the third copy
+# below it, before a hot family gets one (the fleet's counts: _third_copy). 1, 2 and 4
+# measured alike on the simulator's overload (bench/README.md).
+THIRD_COPY_GAP = 2
 
 # Indexes into a replica's `routed` counters.
 AFFINITY, SPILL, FALLBACK = 0, 1, 2
@@ -267,7 +275,7 @@ class PrefixPolicy:
         - A family whose secondary is warm (it answered the family, and took its overflow
           in the last WARM_RECENT seconds) shares its load with it, any n: once the
           primary is above the mean, a request goes to whichever of the two holds fewer
-          (_warm_overflow). With the margin alone each of 4 proxies, counting ~1/4 of a hot
+          (_warm_copy). With the margin alone each of 4 proxies, counting ~1/4 of a hot
           primary's load, piled ~4 x 4 requests over the mean on it where one proxy stops
           at 8-10; a tighter margin on a warm secondary (spill_margin x (1 + fullness) /
           (2 n)) halved that; comparing the two replicas' counts balances each proxy's
@@ -386,7 +394,7 @@ class PrefixPolicy:
             if load:
                 capacity = self._capacity(factor)
                 if load >= capacity or (fam is not None and hit is fam.primary
-                                        and self._warm_overflow(fam, load, exclude)):
+                                        and self._warm_copy(fam, load, exclude) is not None):
                     return self._spill(key, d, exclude, capacity)
             return self._routed_known(key, d, hit, AFFINITY)
         if self.placement is not None:
@@ -488,7 +496,10 @@ class PrefixPolicy:
             if factor != self._load_factor:
                 factor = self._load_factor  # a placed family: its cache is worth the wait
                 capacity = -1
-            for r in (fam.primary, fam.secondary, fam.former):
+            third = fam.third  # a warm third copy takes the overflow before a move
+            if third is not None and fam.third_used < table.now - WARM_RECENT:
+                third = None
+            for r in (fam.primary, fam.secondary, third, fam.former):
                 if r is None or r.left_at is not None or (exclude is not None and r in exclude):
                     continue
                 if r is fam.warming and reason == SPILL:
@@ -508,12 +519,17 @@ class PrefixPolicy:
                     if load >= capacity:
                         reason = SPILL
                         continue
-                    if r is fam.primary and self._warm_overflow(fam, load, exclude):
-                        # Above the mean, and its warm secondary holds fewer: there, even
-                        # above the mean itself (the two share the family's load).
-                        reason = SPILL
-                        shared = True
-                        continue
+                    if r is fam.primary:
+                        copy = self._warm_copy(fam, load, exclude)
+                        if copy is not None:
+                            # Above the mean, and a warm copy holds fewer: there, even
+                            # above the mean itself (the copies share the family's load).
+                            reason = SPILL
+                            shared = True
+                            if copy is fam.secondary:
+                                continue
+                            chosen = copy  # the third copy
+                            break
                     if (reason == SPILL and r is not fam.primary
                             and not (shared and r is fam.secondary)
                             and r.inflight + r.engine_queue
@@ -537,6 +553,12 @@ class PrefixPolicy:
                     else:  # the former: kept warm while the hold lasts
                         fam.former_used = table.now
                         reason = SPILL
+                elif chosen is fam.third:
+                    fam.third_used = table.now
+                    reason = SPILL
+                    if fam.third_cold:  # its first request: it computes the prompt
+                        fam.third_cold = False
+                        self._predicted = PREDICTED_MISS
                 elif chosen is fam.secondary:
                     fam.secondary_used = table.now
                     reason = SPILL
@@ -590,27 +612,95 @@ class PrefixPolicy:
             return former
         return fam.primary
 
-    def _warm_overflow(self, fam: Family, load: int,
-                       exclude: set[ReplicaView] | None) -> bool:
-        """The family's primary, holding `load` (above the mean), shares it with the
-        family's warm secondary: this request goes there when it holds fewer. Warm: it
+    def _warm_copy(self, fam: Family, load: int,
+                   exclude: set[ReplicaView] | None) -> ReplicaView | None:
+        """Where the family's primary, holding `load` (above the mean), sends this request
+        to share its load: the warm copy holding the fewest, if it holds fewer than the
+        primary; else None (the primary takes it). The copies: the secondary, warm when it
         answered the family, is not gone, and took the family's overflow within
         WARM_RECENT, so it still holds the prompt on any engine (a per-slot cache like
-        llama.cpp's reuses the slot soon after).
+        llama.cpp's reuses the slot soon after); and, while the caches have room
+        (THIRD_COPY_FULLNESS), a third copy, warm likewise.
 
-        The two replicas' own counts are compared, not one against a margin over the mean:
+        The replicas' own counts are compared, not one against a margin over the mean:
         each of N proxies sees ~1/N of the fleet's requests, so a margin on its counts is
-        N times too loose or noise, where balancing its own share between the two
+        N times too loose or noise, where balancing its own share between the copies
         balances the fleet's (bench/README.md, "A hot family's two replicas share its
-        load")."""
+        load").
+
+        A family without a warm third copy gets one (_third_copy) when the primary and
+        the secondary both hold THIRD_COPY_GAP more than the mean and another replica that
+        many fewer; this request goes there and computes the prompt. On the simulator's
+        overload (8 groups, Zipf 1.4, 48 req/s) the hottest family needed about two of four
+        replicas, and its secondary also held small families: both sat above the mean
+        while a third replica idled below it, and smg spread the same family over three
+        replicas (bench/README.md, "A third copy for a hot family"). A proxy alone looks
+        when its own counts show both copies that far above the mean; one of several
+        looks at most once a clock tick, on the fleet's counts."""
         secondary = fam.secondary
         table = self.placement
-        return (secondary is not None and fam.warming is None and secondary.left_at is None
-                and secondary.inflight + secondary.peer_inflight + secondary.engine_queue
-                < load
-                and table is not None and fam.secondary_used >= table.now - WARM_RECENT
-                and (exclude is None or secondary not in exclude)
-                and load >= self._capacity(1.0))
+        if (secondary is None or fam.warming is not None or secondary.left_at is not None
+                or table is None or fam.secondary_used < table.now - WARM_RECENT
+                or (exclude is not None and secondary in exclude)):
+            return None
+        mean = self._capacity(1.0)
+        if load < mean:
+            return None
+        held = secondary.inflight + secondary.peer_inflight + secondary.engine_queue
+        best: ReplicaView | None = None
+        fewest = load
+        if held < load:
+            best, fewest = secondary, held
+        if table.fullness <= THIRD_COPY_FULLNESS:
+            third = fam.third
+            if (third is not None and third.left_at is None
+                    and fam.third_used >= table.now - WARM_RECENT
+                    and (exclude is None or third not in exclude)):
+                if third.inflight + third.peer_inflight + third.engine_queue < fewest:
+                    best = third
+                return best
+            if self._proxies == 1:
+                if min(load, held) < mean + THIRD_COPY_GAP:
+                    return best
+            elif fam.third_checked == table.now:
+                return best  # one look at the fleet's counts a tick (they change as often)
+            fam.third_checked = table.now
+            idle = self._third_copy(fam, exclude)
+            if idle is not None:
+                fam.third = idle
+                fam.third_used = table.now
+                fam.third_cold = True
+                return idle
+        return best
+
+    def _third_copy(self, fam: Family, exclude: set[ReplicaView] | None) -> ReplicaView | None:
+        """The idlest replica that is neither the family's primary nor its secondary, if it
+        holds THIRD_COPY_GAP fewer than the mean in flight and both of those hold that many
+        more; else None. A replica's load counts the other proxies' in flight as the
+        in-flight hash showed it (`peer_seen`, a second old: a proxy's own counts are ~1/N
+        of the fleet's), or as they announced it with --fleet-load, whichever is more."""
+        best: ReplicaView | None = None
+        fewest = 1 << 30
+        total = 0
+        for r in self._replicas:
+            held = r.inflight + max(r.peer_inflight, r.peer_seen) + r.engine_queue
+            total += held
+            if (r is fam.primary or r is fam.secondary or r.left_at is not None
+                    or (exclude is not None and r in exclude)):
+                continue
+            if held < fewest:
+                best, fewest = r, held
+        mean = total // len(self._replicas) + 1
+        secondary = fam.secondary
+        primary = fam.primary
+        assert secondary is not None
+        if (best is None or fewest + THIRD_COPY_GAP >= mean
+                or min(primary.inflight + max(primary.peer_inflight, primary.peer_seen)
+                       + primary.engine_queue,
+                       secondary.inflight + max(secondary.peer_inflight, secondary.peer_seen)
+                       + secondary.engine_queue) < mean + THIRD_COPY_GAP):
+            return None
+        return best
 
     def learn(self, blocks: Iterable[tuple[int, str, float]]) -> int:
         """The longest-prefix memory learns blocks other proxies routed off their family's

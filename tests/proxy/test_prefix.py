@@ -572,8 +572,11 @@ def test_a_hot_family_shares_its_load_with_its_warm_secondary(proxies: int) -> N
     assert ready.choose(None, Req(hot)) is top
     # Both above the mean, far above with several proxies' noisy counts: the one that
     # holds fewer, not the primary up to its bound.
+    for r in others:  # not idle: no third copy (test_a_hot_family_gets_a_third_copy...)
+        r.inflight = 1
     top.inflight, second.inflight = 6, 5  # within the bound (4 proxies: 7)
     assert ready.choose(None, Req(hot)) is second
+    assert fam.third is None
     top.inflight, second.inflight = 1, 0  # the primary at or below the mean: it keeps its
     for r in others:  # family (the secondary is for its overflow)
         if r is not second:
@@ -603,6 +606,120 @@ def test_a_hot_family_shares_its_load_with_its_warm_secondary(proxies: int) -> N
         policy.set_proxies(n)  # type: ignore[attr-defined]
         policy._rescale(fullness)  # type: ignore[attr-defined]
         assert policy._slack == slack, (fullness, n)  # type: ignore[attr-defined]
+
+
+def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> None:
+    # Overload (8 groups, Zipf 1.4, 48 req/s): the hottest family needs about two replicas
+    # of four, and its secondary also held three small families, so the primary and the
+    # secondary both sat above the mean while a third replica idled below it; smg spread
+    # the family over three replicas. A proxy judging the fleet's load, while the caches
+    # have room, gives such a family a third copy at the idlest other replica.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+                                                             replica_families=13)))
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
+    hot = bodies(1, seed=41)[0]
+    top = ready.choose(None, Req(hot))
+    assert top is not None
+    table.refresh(table.now)
+    top.inflight = 13  # over the bound: a secondary
+    second = ready.choose(None, Req(hot))
+    fam = table.families[key(hot)[0]]
+    assert second is not None and fam.secondary is second
+    fam.warming = None  # it answered
+    busy, idle = [r for r in ready.replicas if r not in (top, second)]
+    busy.inflight, idle.inflight = 1, 0
+    # The mean is 13 // 4 + 1 = 4 (the bound's count of one more); both copies hold at
+    # least 2 more, the idle replica at least 2 fewer.
+    top.inflight, second.inflight = 6, 6
+    first = Req(hot)
+    assert ready.choose(None, first) is idle
+    assert fam.third is idle and first.cold  # its first request computes the prompt
+    again = Req(hot)
+    assert ready.choose(None, again) is idle and not again.cold  # now a copy: a hit
+    idle.inflight = 6  # as many as the others: the primary keeps it
+    assert ready.choose(None, Req(hot)) is top
+    second.inflight = 5  # the copy holding the fewest
+    assert ready.choose(None, Req(hot)) is second
+    second.inflight, idle.inflight = 6, 3
+    assert ready.choose(None, Req(hot)) is idle
+    assert ready.choose({idle}, Req(hot)) is top  # excluded: not a copy for this request
+    # Not a copy any more once unused for WARM_RECENT: its cache may have evicted it.
+    table.refresh(table.now + 3)
+    fam.secondary_used = table.now
+    idle.inflight = 0
+    remade = Req(hot)
+    assert ready.choose(None, remade) is idle and remade.cold  # re-made: cold again
+    assert fam.third is idle and fam.third_used == table.now
+    # The primary at or below the mean keeps its family, copies or not.
+    top.inflight = 2
+    assert ready.choose(None, Req(hot)) is top
+    top.inflight = 6
+    # The idlest replica not below the mean by the gap: no third copy.
+    fam.third = None
+    idle.inflight = 3  # the mean is now 16 // 4 + 1 = 5
+    assert ready.choose(None, Req(hot)) is top and fam.third is None
+    idle.inflight = 0
+    # Caches more than half full: a third copy would evict another family's prompt.
+    table.fullness = 0.6
+    assert ready.choose(None, Req(hot)) is top and fam.third is None
+    table.fullness = 1 / 52
+    assert ready.choose(None, Req(hot)) is idle and fam.third is idle
+    # One of several proxies counts ~1/N of the fleet's requests: the fleet's counts (its
+    # own plus the others' as the in-flight hash showed them) decide, once a clock tick.
+    fam.third = None
+    policy.set_proxies(4)  # type: ignore[attr-defined]
+    table.refresh(table.now + 1)
+    fam.secondary_used = table.now
+    top.inflight, second.inflight, busy.inflight, idle.inflight = 6, 6, 1, 0
+    top.peer_seen, second.peer_seen, busy.peer_seen, idle.peer_seen = 4, 4, 10, 11
+    # Alone it would make one (6, 6 against a mean of 4); the fleet is even (10, 10, 11,
+    # 11): none. The primary shares with the secondary only: as many, so it keeps it.
+    assert ready.choose(None, Req(hot)) is top and fam.third is None
+    idle.peer_seen = 0  # the fleet's idlest now: 10, 10, 11, 0, the mean 31 // 4 + 1 = 8
+    assert ready.choose(None, Req(hot)) is top and fam.third is None  # looked this tick
+    table.refresh(table.now + 1)
+    fam.secondary_used = table.now
+    assert ready.choose(None, Req(hot)) is idle and fam.third is idle
+    # A third copy that leaves the set is forgotten; one becoming the secondary stops
+    # being the third.
+    ready.apply(snapshot(2, *[r.url for r in ready.replicas if r is not idle],
+                         options=PrefixOptions(placement="capacity", replica_families=13)))
+    assert fam.third is None
+    fam.third = busy
+    fam.replace_secondary(busy)
+    assert fam.third is None and fam.secondary is busy
+
+
+def test_a_warm_third_copy_takes_the_overflow_before_a_move() -> None:
+    # The primary over its bound and the secondary above the mean used to move the
+    # overflow to a new secondary (a cold prefill, and with several proxies a hold while
+    # it computes the prompt); a warm third copy within the mean takes it instead.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+                                                             replica_families=13)))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    hot = bodies(1, seed=41)[0]
+    top = ready.choose(None, Req(hot))
+    assert top is not None
+    table.refresh(table.now)
+    top.inflight = 13
+    second = ready.choose(None, Req(hot))
+    fam = table.families[key(hot)[0]]
+    assert second is not None and fam.secondary is second
+    fam.warming = None
+    busy, idle = [r for r in ready.replicas if r not in (top, second)]
+    top.inflight, second.inflight, busy.inflight, idle.inflight = 6, 6, 1, 0
+    assert ready.choose(None, Req(hot)) is idle and fam.third is idle
+    # The mean is 54 // 4 + 1 = 14, the bound 14 + 9: the primary over it, the secondary
+    # above the mean. The least loaded replica is `busy`, but the third copy is warm.
+    top.inflight, second.inflight, busy.inflight, idle.inflight = 30, 20, 1, 3
+    assert ready.choose(None, Req(hot)) is idle
+    assert fam.secondary is second and fam.warming is None  # no move
+    idle.inflight = 20  # above the mean (71 // 4 + 1) too: the overflow moves
+    assert ready.choose(None, Req(hot)) is busy
+    assert fam.secondary is busy and fam.former is second and fam.warming is busy
 
 
 def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
