@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -608,17 +609,14 @@ def test_a_hot_family_shares_its_load_with_its_warm_secondary(proxies: int) -> N
         assert policy._slack == slack, (fullness, n)  # type: ignore[attr-defined]
 
 
-def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> None:
-    # Overload (8 groups, Zipf 1.4, 48 req/s): the hottest family needs about two replicas
-    # of four, and its secondary also held three small families, so the primary and the
-    # secondary both sat above the mean while a third replica idled below it; smg spread
-    # the family over three replicas. A proxy judging the fleet's load, while the caches
-    # have room, gives such a family a third copy at the idlest other replica.
+def warm_secondary() -> tuple[ReadySet, bytes, Any, list[Any]]:
+    """4 replicas (13 families each) and one hot family whose warm secondary answered:
+    the ready set, the family's body, its placement entry and the replicas (primary,
+    secondary, the other two)."""
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
                                                              replica_families=13)))
-    policy = ready.policy
-    table = policy.placement  # type: ignore[attr-defined]
+    table = ready.policy.placement  # type: ignore[attr-defined]
     hot = bodies(1, seed=41)[0]
     top = ready.choose(None, Req(hot))
     assert top is not None
@@ -628,7 +626,19 @@ def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> Non
     fam = table.families[key(hot)[0]]
     assert second is not None and fam.secondary is second
     fam.warming = None  # it answered
-    busy, idle = [r for r in ready.replicas if r not in (top, second)]
+    return ready, hot, fam, [top, second, *[r for r in ready.replicas
+                                            if r not in (top, second)]]
+
+
+def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> None:
+    # Overload (8 groups, Zipf 1.4, 48 req/s): the hottest family needs about two replicas
+    # of four, and its secondary also held three small families, so the primary and the
+    # secondary both sat above the mean while a third replica idled below it; smg spread
+    # the family over three replicas. A proxy judging the fleet's load, while the caches
+    # have room, gives such a family a third copy at the idlest other replica.
+    ready, hot, fam, (top, second, busy, idle) = warm_secondary()
+    policy = ready.policy
+    table = policy.placement  # type: ignore[attr-defined]
     busy.inflight, idle.inflight = 1, 0
     # The mean is 13 // 4 + 1 = 4 (the bound's count of one more); both copies hold at
     # least 2 more, the idle replica at least 2 fewer.
@@ -696,20 +706,7 @@ def test_a_warm_third_copy_takes_the_overflow_before_a_move() -> None:
     # The primary over its bound and the secondary above the mean used to move the
     # overflow to a new secondary (a cold prefill, and with several proxies a hold while
     # it computes the prompt); a warm third copy within the mean takes it instead.
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
-                                                             replica_families=13)))
-    table = ready.policy.placement  # type: ignore[attr-defined]
-    hot = bodies(1, seed=41)[0]
-    top = ready.choose(None, Req(hot))
-    assert top is not None
-    table.refresh(table.now)
-    top.inflight = 13
-    second = ready.choose(None, Req(hot))
-    fam = table.families[key(hot)[0]]
-    assert second is not None and fam.secondary is second
-    fam.warming = None
-    busy, idle = [r for r in ready.replicas if r not in (top, second)]
+    ready, hot, fam, (top, second, busy, idle) = warm_secondary()
     top.inflight, second.inflight, busy.inflight, idle.inflight = 6, 6, 1, 0
     assert ready.choose(None, Req(hot)) is idle and fam.third is idle
     # The mean is 54 // 4 + 1 = 14, the bound 14 + 9: the primary over it, the secondary
