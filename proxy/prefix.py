@@ -680,25 +680,21 @@ class PrefixPolicy:
         in-flight hash showed it (`peer_seen`, a second old: a proxy's own counts are ~1/N
         of the fleet's), or as they announced it with --fleet-load, whichever is more."""
         best: ReplicaView | None = None
-        fewest = 1 << 30
+        fewest = copies = 1 << 30  # the idlest other replica's load; the copies' lower
+        seen = 0
         total = 0
         for r in self._replicas:
             held = r.inflight + max(r.peer_inflight, r.peer_seen) + r.engine_queue
             total += held
-            if (r is fam.primary or r is fam.secondary or r.left_at is not None
-                    or (exclude is not None and r in exclude)):
-                continue
-            if held < fewest:
+            if r is fam.primary or r is fam.secondary:
+                copies = min(copies, held)
+                seen += 1
+            elif (held < fewest and r.left_at is None
+                    and (exclude is None or r not in exclude)):
                 best, fewest = r, held
         mean = total // len(self._replicas) + 1
-        secondary = fam.secondary
-        primary = fam.primary
-        assert secondary is not None
-        if (best is None or fewest + THIRD_COPY_GAP >= mean
-                or min(primary.inflight + max(primary.peer_inflight, primary.peer_seen)
-                       + primary.engine_queue,
-                       secondary.inflight + max(secondary.peer_inflight, secondary.peer_seen)
-                       + secondary.engine_queue) < mean + THIRD_COPY_GAP):
+        if (best is None or seen < 2 or fewest + THIRD_COPY_GAP >= mean
+                or copies < mean + THIRD_COPY_GAP):
             return None
         return best
 
