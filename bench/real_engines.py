@@ -67,9 +67,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
-from controlplane.store import Store  # noqa: E402
 from tests.support import llama  # noqa: E402
-from tests.support.builders import registered, replica  # noqa: E402
 from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
@@ -260,6 +258,7 @@ def router(target: str, urls: list[str], log_dir: Path,
             target, extra = "prefix", ["--prefix-placement", "rendezvous"]
         extra += sluice_args
         server = None
+        feed: Process | None = None
         try:
             if n_proxies <= 1:
                 proxy = proxies("--policy", target, "--log-level", "WARNING", *extra,
@@ -268,13 +267,21 @@ def router(target: str, urls: list[str], log_dir: Path,
                 return
             server = EmbeddedRedis(log_dir / "redis")
             server.start()
-            asyncio.run(_register(server.url, urls))
+            # The replicas registered as service "svc" and their engines scraped once a
+            # second: what the controller would write (--fleet-load auto reads it).
+            feed = Process([sys.executable, str(REPO / "bench" / "engine_feed.py"),
+                            "--redis", server.url, "--service", "svc", "--interval", "1",
+                            *urls], log_dir / "engine-feed.log", None)  # fmt: skip
+            until_sync(lambda: feed.returncode is None and "ready" in feed.output(),
+                       timeout=30, what="engine_feed.py's first view", interval=0.05)
             started = [proxies("--policy", target, "--log-level", "WARNING", *extra,
                                "--redis", server.url, "--service", "svc", wait="ready")
                        for _ in range(n_proxies)]  # fmt: skip
             yield [p.url for p in started]
         finally:
             proxies.close()
+            if feed is not None:
+                feed.stop()
             if server is not None:
                 server.stop()
         return
@@ -305,14 +312,6 @@ def router(target: str, urls: list[str], log_dir: Path,
         yield f"http://{HOST}:{port}"
     finally:
         proc.stop(timeout=5.0)
-
-
-async def _register(redis_url: str, urls: list[str]) -> None:
-    """`urls` as the READY replicas of service "svc" (what the controller would commit)."""
-    async with Store.from_url(redis_url) as store:
-        await registered(store, spec=b"{}")
-        await store.commit("svc", replica_updates=[
-            replica(i + 1, url=u) for i, u in enumerate(urls)])  # fmt: skip
 
 
 # -- one cell -------------------------------------------------------------------------

@@ -178,6 +178,23 @@ def start_redis(procs: Procs) -> tuple[subprocess.Popen[bytes], str]:
     return redis, f"redis://{HOST}:{rport}/0"
 
 
+def start_feed(procs: Procs, redis_url: str, policy: str, workers: list[str],
+               interval: float) -> subprocess.Popen[bytes]:
+    """bench/engine_feed.py: registers `workers` as service "bench" and publishes their
+    engine view every `interval` s, as the controller would; returns once the first view
+    is out (it prints "ready")."""
+    feed = procs.start("engine-feed", [sys.executable, str(BENCH / "engine_feed.py"),
+                                       "--redis", redis_url, "--service", "bench", "--policy",
+                                       policy, "--interval", str(interval), *workers])
+    log = procs.log_dir / "engine-feed.log"
+    deadline = time.monotonic() + 30
+    while b"ready" not in log.read_bytes():
+        if feed.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"engine_feed.py did not start: {log}")
+        time.sleep(0.05)
+    return feed
+
+
 def sluice_engine(policy: str, n: int) -> Callable[[Procs, list[str]],
                                                   tuple[list[str], list[subprocess.Popen[bytes]]]]:
     """sluice `policy` with --engine-load: a redis-server, bench/engine_feed.py (the
@@ -186,11 +203,7 @@ def sluice_engine(policy: str, n: int) -> Callable[[Procs, list[str]],
     def start(procs: Procs, workers: list[str]) -> tuple[list[str],
                                                          list[subprocess.Popen[bytes]]]:
         redis, url = start_redis(procs)
-        feed = procs.start("engine-feed", [sys.executable, str(BENCH / "engine_feed.py"),
-                                           "--redis", url, "--service", "bench", "--policy",
-                                           policy, "--interval", "0.5", *workers])
-        started = [redis, feed]
-        time.sleep(1.0)  # the first view; the proxies wait for the snapshot themselves
+        started = [redis, start_feed(procs, url, policy, workers, 0.5)]
         urls = []
         for i in range(n):
             port = free_port()
@@ -228,14 +241,15 @@ def sglang(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
 def sluice_redis(policy: str, n: int) -> Callable[[Procs, list[str]],
                                                  tuple[list[str], list[subprocess.Popen[bytes]]]]:
     """sluice `policy` as `n` proxies sharing a real redis-server: the replicas are
-    committed READY as service "bench" (what the controller writes), and every proxy
-    follows it with --redis --service; `prefix` with placement auto (the default) then
-    shares its placement through Redis (proxy/sources/placement.py)."""
+    committed READY as service "bench" and their engines scraped once a second
+    (bench/engine_feed.py: what the controller writes), and every proxy follows it with
+    --redis --service; `prefix` with placement auto (the default) then shares its
+    placement through Redis (proxy/sources/placement.py), and --fleet-load auto sees
+    vLLM-style engines."""
     def start(procs: Procs, workers: list[str]) -> tuple[list[str],
                                                          list[subprocess.Popen[bytes]]]:
         redis, url = start_redis(procs)
-        asyncio.run(register_service(url, "bench", policy, workers))
-        started = [redis]
+        started = [redis, start_feed(procs, url, policy, workers, 1.0)]
         urls = []
         for i in range(n):
             port = free_port()
@@ -249,22 +263,6 @@ def sluice_redis(policy: str, n: int) -> Callable[[Procs, list[str]],
             wait_up(p, port, "/health", 30)
         return [f"http://{HOST}:{port}" for _, port in urls], started
     return start
-
-
-async def register_service(redis_url: str, service: str, policy: str,
-                           workers: list[str]) -> None:
-    """`workers` as the READY replicas of `service` (one commit, as the controller)."""
-    sys.path.insert(0, str(REPO))
-    from controlplane.records import ReplicaRecord, ServiceRecord
-    from controlplane.states import ReplicaStatus
-    from controlplane.store import Store
-
-    async with Store.from_url(redis_url) as store:
-        await store.register_service(
-            ServiceRecord(name=service, created_at=time.time(), policy=policy), b"{}")
-        await store.commit(service, replica_updates=[
-            ReplicaRecord(id=i + 1, status=ReplicaStatus.READY, version=1, url=u)
-            for i, u in enumerate(workers)])  # fmt: skip
 
 
 def wait_workers(proc: subprocess.Popen[bytes], port: int, workers: list[str],

@@ -187,13 +187,18 @@ class _ProxyCommand(click.Command):
               help="least_load, p2c and prefix also count the requests waiting in each "
                    "replica's engine, as the controller scrapes them (Redis source only; "
                    "docs/engines.md).")
-@click.option("--fleet-load/--no-fleet-load", default=DEFAULTS.fleet_load, show_default=True,
+@click.option("--fleet-load", type=click.Choice(["auto", "on", "off"]), is_flag=False,
+              flag_value="on", default=DEFAULTS.fleet_load, show_default=True,
               help="prefix policy: a known family's load bound also counts the requests "
                    "the other proxies have in flight, as they announce them on the "
-                   "placement channel about every 100 ms (Redis source only). Measured in "
-                   "docs/routing.md: it helped several proxies on a simulated vLLM fleet; "
-                   "on llama.cpp servers with 2 slots it measured worse, but within that "
-                   "bench's spread between identical runs; measure before using it.")
+                   "placement channel about every 100 ms (Redis source only). auto: on "
+                   "while the controller's engine view shows only batching engines (vLLM, "
+                   "SGLang, TGI), off when it shows a llama.cpp server or nothing. Measured in "
+                   "docs/routing.md: on a simulated vLLM fleet it brought 4 proxies within "
+                   "2 % of 1; on llama.cpp servers with 2 slots it computed 6-10 % more "
+                   "prompt tokens. A bare --fleet-load means on.")
+@click.option("--no-fleet-load", "no_fleet_load", is_flag=True, hidden=True,
+              help="Same as --fleet-load off (the flag of earlier releases).")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,
               show_default=True, help="Connection limit per replica.")
 @click.option("--pool-grace", type=click.FloatRange(0), default=DEFAULTS.pool_grace,
@@ -278,7 +283,8 @@ def proxy_command(
     prefix_session_header: str | None, prefix_user_field: bool | None,
     prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, prefix_placement: str | None,
-    prefix_replica_families: int | None, engine_load: bool, fleet_load: bool,
+    prefix_replica_families: int | None, engine_load: bool, fleet_load: str,
+    no_fleet_load: bool,
     pool_size: int, pool_grace: float,
     upstream_idle_timeout: float, retry_deadline: float,
     max_attempts: int, connect_timeout: float, empty_wait: float, hold_heartbeat: float,
@@ -315,7 +321,7 @@ def proxy_command(
         sync_interval=sync_interval, sync_timeout=sync_timeout, quick_resync=quick_resync,
         sync_relay=sync_relay, policy=policy, target_qps=_target_qps(target_qps),
         prefix_options=_prefix_options(prefix_flags), engine_load=engine_load,
-        fleet_load=fleet_load,
+        fleet_load="off" if no_fleet_load else fleet_load,
         pool_size=pool_size, pool_grace=pool_grace,
         upstream_idle_timeout=upstream_idle_timeout, retry_deadline=retry_deadline,
         max_attempts=max_attempts, connect_timeout=connect_timeout, empty_wait=empty_wait,

@@ -33,8 +33,9 @@ class ProxyConfig:
     prefix_options: PrefixOptions | None = None  # None: the snapshot's (or the defaults)
     engine_load: bool = False  # least_load/p2c/prefix also count the engines' queues (Redis source)
     # prefix: a known family's load bound also counts the other proxies' in-flight
-    # requests, as they wrote them at their last flush (Redis source).
-    fleet_load: bool = False
+    # requests, as they announce them (Redis source): "on", "off", or "auto" (on while
+    # the engine view shows batching engines only: proxy/sources/redis.py, fleet_wanted).
+    fleet_load: str = "auto"
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

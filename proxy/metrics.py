@@ -201,6 +201,10 @@ class ProxyCollector:
         yield GaugeMetricFamily("sluice_source_connected",
                                 "1 when the ready-set source (Redis, controller) is reachable",
                                 value=stats.source_connected)
+        yield GaugeMetricFamily("sluice_fleet_load",
+                                "1 while the prefix policy's load bound counts the other "
+                                "proxies' in-flight requests (--fleet-load, or auto on "
+                                "batching engines)", value=stats.fleet_load)
 
 
 def render(ready_set: ReadySet, stats: Stats, *, worker: int) -> bytes:

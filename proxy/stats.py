@@ -42,6 +42,7 @@ class Stats:
         self.placements_skipped = 0  # shared placement entries that failed to parse
         self.propagation = Histogram()  # published_at -> applied (seconds)
         self.source_connected = 0  # 1 when the source is reachable
+        self.fleet_load = 0  # 1 while the prefix bound counts the other proxies' in flight
         # Drop-in mode: request timestamps dropped unsent (older than the autoscaler's window).
         self.timestamps_dropped = 0
         # Bounds (docs/security.md): gauges kept by the request path, refusals counted.

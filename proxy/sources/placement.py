@@ -36,19 +36,20 @@ request path:
   announces it on the channel (line `w<family hex> <at> <url>`, not stored).
   A lost announcement holds the overflow `WARM_HOLD` at most. (A proxy of a
   release before this counts `w` lines as malformed, like `t` lines before them.)
-- **fleet loads** (with `--fleet-load`): every `LOAD_INTERVAL` (100 ms) the task
-  announces the in-flight counts of this proxy per replica that changed since its last
-  announcement, and all of them every `LOAD_REFRESH` (1 s), on the channel only (line
-  `l<proxy hex> <at> <count> <url>`, not stored; the proxy hex is the CRC-32 of the
-  proxy id). Every other proxy sets each replica's `peer_inflight` to the sum of the
-  counts it heard from the others, dropping a proxy's count not heard for `LOAD_FRESH`
-  (2.5 s, by the receiver's clock: the proxy stopped). So the `prefix` policy's bound
-  judges the fleet's load at most about 100 ms old, for at most 10 PUBLISHes a second
-  per proxy. A proxy not heard here (a release before this, which counts `l` lines as
-  malformed; or this channel lost) is counted from the in-flight hash it writes once
-  a second (proxy/sources/redis.py, `set_base`). Measured (bench/README.md, "The
-  fleet's counts on the placement channel"): 4 proxies with it on 8 hot groups, 0.12-0.15 s
-  mean TTFT, against 0.19-0.30 s on their own counts (1 proxy: 0.09 s).
+- **fleet loads** (with `--fleet-load`, or `auto` on batching engines: `set_loads`):
+  every `LOAD_INTERVAL` (100 ms) the task announces the in-flight counts of this proxy
+  per replica that changed since its last announcement, and all of them every
+  `LOAD_REFRESH` (1 s), on the channel only (line `l<proxy hex> <at> <count> <url>`, not
+  stored; the proxy hex is the CRC-32 of the proxy id). Every other proxy sets each
+  replica's `peer_inflight` to the sum of the counts it heard from the others, dropping
+  a proxy's count not heard for `LOAD_FRESH` (2.5 s, by the receiver's clock: the proxy
+  stopped). So the `prefix` policy's bound judges the fleet's load at most about 100 ms
+  old, for at most 10 PUBLISHes a second per proxy. A proxy not heard here (a release
+  before this, which counts `l` lines as malformed; or this channel lost) is counted
+  from the in-flight hash it writes once a second (proxy/sources/redis.py, `set_base`).
+  Measured (bench/README.md, "The fleet's counts on the placement channel"): 4 proxies
+  with it on 8 hot groups, 0.12-0.15 s mean TTFT, against 0.19-0.30 s on their own
+  counts (1 proxy: 0.09 s).
 - **follow**: the task subscribes to that channel; and every `scan_interval`
   (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
   next tick), adopting what it missed (a proxy that just started, a lost
@@ -421,6 +422,18 @@ class PlacementSync:
         self.heard_from.clear()
         for url in urls:
             self._set_peer(url)
+
+    def set_loads(self, on: bool) -> None:
+        """Announce and count the fleet's loads from now on, or stop (`--fleet-load auto`,
+        proxy/sources/redis.py): off, every replica's `peer_inflight` goes back to 0."""
+        if on == self._loads:
+            return
+        self._loads = on
+        self._sent.clear()
+        self._next_load = self._next_full = 0.0  # on: announce everything at the next tick
+        if not on:
+            self.forget_loads()
+            self.set_base({})
 
     def set_base(self, counts: dict[str, int]) -> None:
         """The other proxies' counts from the in-flight hash, without those heard on the

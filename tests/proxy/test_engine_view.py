@@ -135,7 +135,7 @@ async def test_redis_gone_makes_every_replica_unknown(
         await client.hset(Keys(redis_prefix).inflight("svc"), "peer:1", msgspec.json.encode(
             {"at": time.time(), "replicas": {snap.replicas[0].url: 6}}))  # fmt: skip
     config = ProxyConfig(redis_url=server.url, service="svc", redis_prefix=redis_prefix,
-                         engine_load=True, fleet_load=True)  # fmt: skip
+                         engine_load=True, fleet_load="on")  # fmt: skip
     ready_set = ReadySet()
     source = RedisSource(config, Stats(), flush_interval=0.05, backoff_max=0.1)
     await source.start(ready_set)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from controlplane.store import Store
 from proxy.config import ProxyConfig
+from proxy.metrics import render
 from proxy.readyset import ReadySet
 from proxy.sources.placement import (
     LOAD_FRESH,
@@ -29,6 +30,7 @@ from proxy.sources.placement import (
 )
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
+from proxy.wire.engines import EngineStats, EngineView
 from proxy.wire.keys import Keys
 from tests.proxy.test_peer_inflight import entry
 from tests.proxy.test_prefix import URLS, snapshot
@@ -38,9 +40,10 @@ from tests.support.poll import until
 Proxy = tuple[RedisSource, ReadySet, Stats]
 
 
-async def start(redis_url: str, redis_prefix: str, proxy_id: str, flush: float) -> Proxy:
+async def start(redis_url: str, redis_prefix: str, proxy_id: str, flush: float,
+                fleet_load: str = "on") -> Proxy:
     config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix,
-                         proxy_id=proxy_id, fleet_load=True, policy="prefix")  # fmt: skip
+                         proxy_id=proxy_id, fleet_load=fleet_load, policy="prefix")  # fmt: skip
     stats = Stats()
     ready_set = ReadySet(policy_override="prefix")
     source = RedisSource(config, stats, flush_interval=flush, backoff_max=0.1)
@@ -62,6 +65,54 @@ async def two(request: pytest.FixtureRequest, store: Store, redis_url: str,
     for source, ready_set, _ in proxies:
         await source.aclose()
         ready_set.close()
+
+
+async def test_auto_counts_the_fleet_while_the_engine_view_names_batching_engines_only(
+    store: Store, redis_url: str, redis_prefix: str
+) -> None:
+    """--fleet-load auto (the default) follows the controller's engine view: no view, the
+    other proxy's count is seen (the in-flight hash) but not in the bound; a view of vLLM
+    engines turns the channel's counts on and the whole spill margin (the loads are the
+    fleet's); one llama.cpp server in it turns both off again."""
+    await registered(store, spec=b"{}")
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    proxies = [await start(redis_url, redis_prefix, f"proxy-{n}:1", 0.05, fleet_load="auto")
+               for n in "ab"]
+    (_, a, _), (_, b, b_stats) = proxies
+    one, two_ = sorted(a.replicas, key=lambda r: r.url)
+    heard = sorted(b.replicas, key=lambda r: r.url)[0]
+
+    def margin() -> int:
+        return b.policy.spill_margin  # type: ignore[attr-defined, no-any-return]
+
+    async def view(*engines: str) -> None:
+        await store.telemetry.write_engines({"svc": EngineView(replicas={
+            str(n): EngineStats(url=r.url, engine=e)
+            for n, (r, e) in enumerate(zip((one, two_), engines, strict=True), 1)})},
+            ttl=30)  # fmt: skip
+
+    try:
+        alone = margin()
+        one.inflight = 3
+        await until(lambda: heard.peer_seen == 3 and margin() < alone,
+                    what="b to see a's count and share the margin")  # fmt: skip
+        assert heard.peer_inflight == 0 and b_stats.fleet_load == 0  # no engine view: off
+        await view("vllm", "unknown")  # a record of no known engine is left out
+        await until(lambda: peers(b) == {1: 3, 2: 0} and margin() == alone,
+                    what="b to count a's requests in the bound")  # fmt: skip
+        assert b"sluice_fleet_load 1.0" in render(b, b_stats, worker=0)
+        one.inflight = 5
+        await until(lambda: peers(b)[1] == 5, what="the channel's counts (100 ms)")
+        await view("vllm", "llamacpp")
+        await until(lambda: peers(b) == {1: 0, 2: 0} and margin() < alone,
+                    what="b to judge its own counts again")  # fmt: skip
+        assert heard.peer_seen == 5  # still seen, for a spill's order
+        assert b"sluice_fleet_load 0.0" in render(b, b_stats, worker=0)
+    finally:
+        one.inflight = 0
+        for source, ready_set, _ in proxies:
+            await source.aclose()
+            ready_set.close()
 
 
 def listener(two: list[Proxy], redis_prefix: str) -> tuple[ReadySet, Stats, Keys, str]:

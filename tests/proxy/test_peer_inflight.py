@@ -17,10 +17,11 @@ from controlplane.store import Store
 from proxy.config import ProxyConfig
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
-from proxy.sources.redis import MAX_PEERS, PEER_FRESH, RedisSource
+from proxy.sources.redis import MAX_PEERS, PEER_FRESH, RedisSource, fleet_wanted
 from proxy.stats import Stats
+from proxy.wire.engines import EngineStats
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import PrefixOptions
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica
 from tests.proxy.test_prefix import URLS, Req, bodies, snapshot
 from tests.support.builders import registered, replica
 from tests.support.poll import until
@@ -29,7 +30,7 @@ OWN = "this-proxy:1"
 
 
 async def _follow(store: Store, redis_url: str, redis_prefix: str, *,
-                  fleet_load: bool, policy: str | None = None) -> tuple[RedisSource, ReadySet]:
+                  fleet_load: str, policy: str | None = None) -> tuple[RedisSource, ReadySet]:
     await registered(store, spec=b"{}")
     await store.commit("svc", replica_updates=[replica(1), replica(2)])
     config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix,
@@ -44,7 +45,7 @@ async def _follow(store: Store, redis_url: str, redis_prefix: str, *,
 async def followed(
     store: Store, redis_url: str, redis_prefix: str
 ) -> AsyncIterator[tuple[ReadySet, str]]:
-    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load=True)
+    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load="on")
     yield ready_set, Keys(redis_prefix).inflight("svc")
     await source.aclose()
     ready_set.close()
@@ -83,7 +84,7 @@ async def test_the_other_proxies_counts_are_summed_per_replica(
 async def test_without_fleet_load_the_other_proxies_counts_are_not_counted(
     store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
 ) -> None:
-    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load=False)
+    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load="off")
     key = Keys(redis_prefix).inflight("svc")
     only = ready_set.replicas[0]
     try:
@@ -107,10 +108,10 @@ async def test_without_fleet_load_the_other_proxies_counts_are_not_counted(
         ready_set.close()
 
 
-@pytest.mark.parametrize("fleet_load", [False, True])
+@pytest.mark.parametrize("fleet_load", ["off", "on"])
 async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
     store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str,
-    fleet_load: bool,
+    fleet_load: str,
 ) -> None:
     source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load=fleet_load,
                                       policy="prefix")
@@ -128,13 +129,57 @@ async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
             "peer-d:4": b"not json"})  # fmt: skip
         # 3 proxies: ceil(8 / sqrt(3)) = 5 each. With --fleet-load the loads are the
         # fleet's: the whole margin.
-        want = 8 if fleet_load else 5
+        want = 8 if fleet_load == "on" else 5
         await until(lambda: margin() == want, what=f"margin {want}")
         await redis_client.hdel(key, "peer-a:1", "peer-b:2")
         await until(lambda: margin() == 8, what="alone again")
     finally:
         await source.aclose()
         ready_set.close()
+
+
+@pytest.mark.parametrize(("engines", "want"), [
+    ((), False),  # no engine view (no controller, or it stopped scraping)
+    ((None, None), False),
+    (("unknown", "unknown"), False),  # scraped, but no engine's metrics
+    (("vllm", "vllm"), True),
+    (("sglang", "vllm", None), True),  # a replica not scraped yet is left out
+    (("vllm", "unknown"), True),
+    (("vllm", "llamacpp"), False),  # one cache per slot anywhere: off
+    (("llamacpp", "llamacpp"), False),
+    (("tgi", "vllm"), True),
+])
+def test_auto_wants_the_fleets_counts_for_batching_engines_only(
+    engines: tuple[str | None, ...], want: bool
+) -> None:
+    replicas = []
+    for n, kind in enumerate(engines, 1):
+        r = Replica(ReadyReplica(id=n, url=f"http://127.0.0.1:{8000 + n}"))
+        r.engine = None if kind is None else EngineStats(url=r.url, engine=kind)
+        replicas.append(r)
+    assert fleet_wanted(replicas) is want
+
+
+@pytest.mark.parametrize(("args", "want"), [
+    ([], "auto"),
+    (["--fleet-load"], "on"),  # bare, as in earlier releases
+    (["--fleet-load", "off"], "off"),
+    (["--no-fleet-load"], "off"),
+    (["--fleet-load=auto"], "auto"),
+])
+def test_the_fleet_load_flag(monkeypatch: pytest.MonkeyPatch, args: list[str], want: str) -> None:
+    from click.testing import CliRunner
+
+    from proxy import cli
+
+    got: list[ProxyConfig] = []
+    monkeypatch.setattr(cli, "_run", lambda config, supervise: got.append(config))
+    result = CliRunner().invoke(cli.proxy_command, ["--replicas", "http://127.0.0.1:1", *args])
+    assert result.exit_code == 0, result.output
+    assert got[0].fleet_load == want
+    result = CliRunner().invoke(cli.proxy_command, [
+        "--replicas", "http://127.0.0.1:1", "--fleet-load", "always"])
+    assert result.exit_code == 2 and "--fleet-load" in result.output and "always" in result.output
 
 
 def test_a_margin_split_among_many_proxies_is_at_least_one() -> None:
