@@ -195,8 +195,9 @@ class _ProxyCommand(click.Command):
                    "while the controller's engine view shows only batching engines (vLLM, "
                    "SGLang, TGI), off when it shows a llama.cpp server or nothing. Measured in "
                    "docs/routing.md: on a simulated vLLM fleet it brought 4 proxies within "
-                   "2 % of 1; on llama.cpp servers with 2 slots it computed 6-10 % more "
-                   "prompt tokens. A bare --fleet-load means on.")
+                   "2 % of 1 in one run and not in the next; on llama.cpp servers with 2 "
+                   "slots it computed 6-10 % more prompt tokens. A bare --fleet-load "
+                   "means on.")
 @click.option("--no-fleet-load", "no_fleet_load", is_flag=True, hidden=True,
               help="Same as --fleet-load off (the flag of earlier releases).")
 @click.option("--pool-size", type=click.IntRange(1), default=DEFAULTS.pool_size,

@@ -34,8 +34,9 @@ class ProxyConfig:
     engine_load: bool = False  # least_load/p2c/prefix also count the engines' queues (Redis source)
     # prefix: a known family's load bound also counts the other proxies' in-flight
     # requests, as they announce them (Redis source): "on", "off", or "auto" (on while
-    # the engine view shows batching engines only: proxy/sources/redis.py, fleet_wanted).
-    fleet_load: str = "auto"
+    # the engine view shows batching engines only: proxy/sources/redis.py, fleet_wanted;
+    # not the default yet: bench/README.md, "`--fleet-load auto`").
+    fleet_load: str = "off"
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

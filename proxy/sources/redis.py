@@ -38,7 +38,7 @@ it also sets on each replica the requests the *other* proxies had in flight ther
 their last flush (`Replica.peer_inflight`), leaving out the proxies heard on the placement
 channel, whose counts there are about 100 ms old (proxy/sources/placement.py adds them):
 the `prefix` policy's bound for a known family counts them, so with N proxies it judges
-the fleet's load, not its own 1/N share. `--fleet-load auto` (the default) turns that on
+the fleet's load, not its own 1/N share. `--fleet-load auto` turns that on
 while the engine view names batching engines only (`fleet_wanted`), and off otherwise.
 When a request is held because the set is empty, it publishes a "demand" nudge on
 `{prefix}:control` at once (at most one per second), so a service scaled to zero starts

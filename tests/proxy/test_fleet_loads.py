@@ -70,7 +70,7 @@ async def two(request: pytest.FixtureRequest, store: Store, redis_url: str,
 async def test_auto_counts_the_fleet_while_the_engine_view_names_batching_engines_only(
     store: Store, redis_url: str, redis_prefix: str
 ) -> None:
-    """--fleet-load auto (the default) follows the controller's engine view: no view, the
+    """--fleet-load auto follows the controller's engine view: no view, the
     other proxy's count is seen (the in-flight hash) but not in the bound; a view of vLLM
     engines turns the channel's counts on and the whole spill margin (the loads are the
     fleet's); one llama.cpp server in it turns both off again."""

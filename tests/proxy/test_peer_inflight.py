@@ -161,7 +161,7 @@ def test_auto_wants_the_fleets_counts_for_batching_engines_only(
 
 
 @pytest.mark.parametrize(("args", "want"), [
-    ([], "auto"),
+    ([], "off"),
     (["--fleet-load"], "on"),  # bare, as in earlier releases
     (["--fleet-load", "off"], "off"),
     (["--no-fleet-load"], "off"),
