@@ -72,7 +72,6 @@ from proxy.config import ProxyConfig
 from proxy.errors import ConfigError
 from proxy.readyset import ReadySet
 from proxy.redisurl import RedisURLError, client_from_url, redis_tls_options
-from proxy.replica import Replica
 from proxy.sources.placement import MAX_LOAD, PlacementSync
 from proxy.stats import Stats
 from proxy.stopping import bounded, stop_tasks
@@ -87,7 +86,7 @@ from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, encode_nu
 log = logging.getLogger("sluice.proxy.redis")
 
 
-def fleet_wanted(replicas: Iterable[Replica]) -> bool:
+def fleet_wanted(engines: Iterable[EngineStats | None]) -> bool:
     """`--fleet-load auto`: whether a known family's load bound should count the other
     proxies' in flight. Yes when the engines the view names (records of engine "unknown"
     and replicas without one left out) are all batching engines (BATCHING_ENGINES); no
@@ -99,8 +98,7 @@ def fleet_wanted(replicas: Iterable[Replica]) -> bool:
     bound spilled families to cold servers sooner and computed 6-10 % more prompt tokens,
     in five runs out of five."""
     named = False
-    for r in replicas:
-        engine = r.engine
+    for engine in engines:
         if engine is None or engine.engine == "unknown":
             continue
         if engine.engine not in BATCHING_ENGINES:
@@ -481,7 +479,7 @@ class RedisSource:
         bad = 0
         fresh = 0
         if self._fleet_mode == "auto":
-            self._set_fleet_load(fleet_wanted(self._ready_set.known.values()))
+            self._set_fleet_load(fleet_wanted(r.engine for r in self._ready_set.known.values()))
         if isinstance(raw, dict):
             own = self._proxy_id_bytes
             # Proxies heard on the placement channel: their counts there are fresher.

@@ -21,7 +21,7 @@ from proxy.sources.redis import MAX_PEERS, PEER_FRESH, RedisSource, fleet_wanted
 from proxy.stats import Stats
 from proxy.wire.engines import EngineStats
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import PrefixOptions, ReadyReplica
+from proxy.wire.snapshot import PrefixOptions
 from tests.proxy.test_prefix import URLS, Req, bodies, snapshot
 from tests.support.builders import registered, replica
 from tests.support.poll import until
@@ -152,12 +152,10 @@ async def test_the_spill_margin_is_split_among_the_proxies_with_a_fresh_entry(
 def test_auto_wants_the_fleets_counts_for_batching_engines_only(
     engines: tuple[str | None, ...], want: bool
 ) -> None:
-    replicas = []
-    for n, kind in enumerate(engines, 1):
-        r = Replica(ReadyReplica(id=n, url=f"http://127.0.0.1:{8000 + n}"))
-        r.engine = None if kind is None else EngineStats(url=r.url, engine=kind)
-        replicas.append(r)
-    assert fleet_wanted(replicas) is want
+    records = [None if kind is None else EngineStats(url=f"http://127.0.0.1:{8000 + n}",
+                                                      engine=kind)
+               for n, kind in enumerate(engines, 1)]
+    assert fleet_wanted(records) is want
 
 
 @pytest.mark.parametrize(("args", "want"), [
