@@ -86,6 +86,12 @@ from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, encode_nu
 log = logging.getLogger("sluice.proxy.redis")
 
 
+# Engines that batch many requests over one shared prefix cache (continuous batching, a
+# paged KV cache), as the simulator does: `--fleet-load auto` turns the fleet's counts on
+# for these (fleet_wanted). llama.cpp keeps one cache per slot.
+BATCHING_ENGINES = frozenset(("vllm", "sglang", "tgi"))
+
+
 def fleet_wanted(engines: Iterable[EngineStats | None]) -> bool:
     """`--fleet-load auto`: whether a known family's load bound should count the other
     proxies' in flight. Yes when the engines the view names (records of engine "unknown"
@@ -96,7 +102,9 @@ def fleet_wanted(engines: Iterable[EngineStats | None]) -> bool:
     like vLLM, 4 proxies came within 1.5 % of 1 with the fleet's counts and 14 % behind
     without; on llama.cpp servers with 2 slots, each slot its own cache, the fleet-sized
     bound spilled families to cold servers sooner and computed 6-10 % more prompt tokens,
-    in five runs out of five."""
+    in five runs out of five. `auto` itself, measured once on the simulator's overload
+    cell, matched `on` in 2 seeds of 3 and lost the third (bench/README.md, "`--fleet-load
+    auto`"): not the default yet."""
     named = False
     for engine in engines:
         if engine is None or engine.engine == "unknown":
@@ -113,10 +121,6 @@ _INFLIGHT_DECODER = msgspec.json.Decoder(InflightEntry)
 # Another proxy's in-flight entry counts while it is at most this old (seconds); a proxy
 # that stopped leaves its field behind until the hash expires.
 PEER_FRESH = 3.0
-# Engines that batch many requests over one shared prefix cache (continuous batching, a
-# paged KV cache), as the simulator does: `--fleet-load auto` turns the fleet's counts on
-# for these (fleet_wanted). llama.cpp keeps one cache per slot.
-BATCHING_ENGINES = frozenset(("vllm", "sglang", "tgi"))
 MAX_PEERS = 1024  # in-flight entries read per flush (the rest are skipped)
 
 
