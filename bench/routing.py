@@ -605,12 +605,25 @@ async def reset_fleet(workers: list[str]) -> None:
                 await resp.read()
 
 
+async def fleet_counts(workers: list[str]) -> tuple[int, int]:
+    """(prompt tokens the fleet computed, requests it served) since its last reset, warm-up
+    period and requests the router sent itself (sluice's --prefix-warm-copies) included."""
+    computed = served = 0
+    async with aiohttp.ClientSession() as s:
+        for w in workers:
+            async with s.get(f"{w}/stats") as resp:
+                doc = await resp.json()
+            computed += doc["queries"] - doc["hits"]
+            served += doc["requests"]
+    return computed, served
+
+
 async def run_one(target_urls: list[str], workload: str, args: argparse.Namespace,
-                  workers: list[str]) -> list[Result]:
+                  workers: list[str]) -> tuple[list[Result], tuple[int, int]]:
     await reset_fleet(workers)
     async with Client(target_urls, args.seed, timeout=args.request_timeout) as client:
         await RUNNERS[workload](client, args)
-    return client.results
+    return client.results, await fleet_counts(workers)
 
 
 def main() -> int:
@@ -716,17 +729,19 @@ def main() -> int:
                     continue
                 try:
                     t = time.monotonic()
-                    results = asyncio.run(run_one(urls, workload, args, workers))
+                    results, (computed, served) = asyncio.run(
+                        run_one(urls, workload, args, workers))
                 finally:
                     procs.stop(started)
                 s = summarize(results, args.replicas)
+                s["computed"], s["engine_requests"] = computed, served
                 summaries[workload][name] = s
                 if args.requests_json:
                     recorded[workload][name] = [dataclasses.asdict(r) for r in results]
                 print(f"  {workload:9s} {name:18s} {s['requests']:5.0f} req "
                       f"{s['errors']:3.0f} err  TTFT mean {s['ttft_mean']:.3f} "
                       f"p99 {s['ttft_p99']:.3f}  hit {100 * s['hit_rate']:.1f} %  "
-                      f"({time.monotonic() - t:.0f} s)", flush=True)
+                      f"computed {computed:,}  ({time.monotonic() - t:.0f} s)", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
     finally:
