@@ -202,6 +202,8 @@ class ProxyApp:
         if ctx is not None and ctx.access_log is not None:
             ctx.access_log.close()
             ctx.access_log = None
+        if ctx is not None:
+            await bounded(ctx.warmer.aclose(), 1.0, "stopping the warm-ups")
         pools = [r.pool for r in self.ready_set.known.values() if r.pool is not None]
         self.ready_set.close()
         waits = [pool.wait_closed() for pool in pools]

@@ -64,6 +64,7 @@ _PREFIX_FLAGS = {
     "prefix_lru_size": "lru_size",
     "prefix_placement": "placement",
     "prefix_replica_families": "replica_families",
+    "prefix_warm_copies": "warm_copies",
 }
 
 
@@ -180,6 +181,12 @@ class _ProxyCommand(click.Command):
 @click.option("--prefix-replica-families", type=click.IntRange(0, 1 << 16), default=None,
               help="prefix policy: families a replica's cache holds when its engine does "
                    "not report its slots (0: 4).")
+@click.option("--prefix-warm-copies/--no-prefix-warm-copies", default=None,
+              help="prefix policy: when a hot prompt family gets another replica, send "
+                   "that replica a one-token warm-up of the family's prompt and keep the "
+                   "family's requests where the prompt is cached until it answers, instead "
+                   "of a client's request computing the prompt there cold (docs/routing.md). "
+                   f"[default: {'on' if PREFIX_DEFAULTS.warm_copies else 'off'}]")
 @click.option("--prefix-lru-size", type=click.IntRange(0), default=None,
               help="prefix policy: entries of the longest-prefix memory. "
                    f"[default: {PREFIX_DEFAULTS.lru_size}]")
@@ -284,7 +291,8 @@ def proxy_command(
     prefix_session_header: str | None, prefix_user_field: bool | None,
     prefix_block_bytes: int | None, prefix_bytes: int | None,
     prefix_lru_size: int | None, prefix_placement: str | None,
-    prefix_replica_families: int | None, engine_load: bool, fleet_load: str,
+    prefix_replica_families: int | None, prefix_warm_copies: bool | None,
+    engine_load: bool, fleet_load: str,
     no_fleet_load: bool,
     pool_size: int, pool_grace: float,
     upstream_idle_timeout: float, retry_deadline: float,
@@ -312,6 +320,7 @@ def proxy_command(
         "prefix_user_field": prefix_user_field, "prefix_block_bytes": prefix_block_bytes,
         "prefix_bytes": prefix_bytes, "prefix_lru_size": prefix_lru_size,
         "prefix_placement": prefix_placement, "prefix_replica_families": prefix_replica_families,
+        "prefix_warm_copies": prefix_warm_copies,
     }
     config = ProxyConfig(
         host=host, port=port, admin_host=admin_host,

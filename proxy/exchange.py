@@ -34,6 +34,7 @@ modules (mixins) would scatter one object's state without making any part simple
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from proxy import http
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from proxy.config import ProxyConfig
     from proxy.readyset import ReadySet
     from proxy.stats import Stats
+    from proxy.warmup import Warmer
 
 # Exchange states, in order.
 NEW, WAIT_REPLICA, WAIT_CONN, SENT, STREAMING, DONE = range(6)
@@ -97,6 +99,9 @@ class ExchangeContext(Protocol):
     @property
     def failures(self) -> FailureLog: ...  # the rate-limited 502/503/504 warnings
 
+    @property
+    def warmer(self) -> Warmer: ...  # sends the prefix policy's warm-ups (proxy/warmup.py)
+
 
 class Exchange:
     """One request from arrival to the end of its response."""
@@ -130,6 +135,7 @@ class Exchange:
         "outcome",
         "pool",
         "prefill_on",
+        "prewarm",
         "progress",
         "progress_at",
         "refused",
@@ -173,6 +179,8 @@ class Exchange:
         self.cold = False  # the prefix policy predicted a miss (a cold prefill)
         self.prefill_on: ReplicaView | None = None  # counted in its `prefilling` until then
         self.warms: Warming | None = None  # a family whose new spill replica it prefills
+        # A replica the prefix policy wants warmed up with this prompt, and its callback.
+        self.prewarm: tuple[ReplicaView, Callable[[bool], None]] | None = None
         self.awaiting_body = False  # holding the body's first bytes before choosing
         # -- the request body
         self.body: list[bytes] = []  # held for a retry (or before a replica is chosen)
@@ -257,6 +265,8 @@ class Exchange:
                     self.heartbeat_at = self.ctx.now + cfg.hold_heartbeat
                 ready_set.add_waiter(self.wake)
                 return
+        if self.prewarm is not None:
+            self.send_prewarm()
         self.replica = replica
         replica.inflight += 1
         if self.cold:
@@ -270,6 +280,17 @@ class Exchange:
         conn = pool.acquire(self)
         if conn is not None:
             self.on_connection(conn)
+
+    def send_prewarm(self) -> None:
+        """Hand the prefix policy's warm-up to the Warmer, with the body held in full (a
+        body not held whole is not warmed: the callback hears False at once)."""
+        target, done = self.prewarm  # type: ignore[misc]
+        self.prewarm = None
+        if self.body_done and self.body_whole:
+            body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+            self.ctx.warmer.start(target, self.head_line, self.req_headers, body, done)
+        else:
+            done(False)
 
     def wake(self) -> None:
         if self.state == WAIT_REPLICA:

@@ -24,7 +24,7 @@ as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 # Reasons a client connection's reading is paused (a bitmask; `pause_reading_for`).
@@ -181,6 +181,12 @@ class Routable(Protocol):
     # Set by the prefix policy: the first request of a family's new spill replica (its
     # placement.Family, whose `warming` the exchange clears at the first byte); else None.
     warms: Warming | None
+    # Read by the prefix policy with warm_copies: the body is here in full.
+    body_done: bool
+    # Set by the prefix policy with warm_copies: a replica to warm up with this request's
+    # prompt before the family's overflow goes there, and what to call with the outcome
+    # (proxy/warmup.py); the exchange hands both to its Warmer. Else None.
+    prewarm: tuple[ReplicaView, Callable[[bool], None]] | None
 
 
 class Warming(Protocol):

@@ -115,6 +115,14 @@ class ProxyCollector:
         for (replica, cause, outcome), count in sorted(stats.resumes.items()):
             resumes.add_metric([replica, cause, outcome, self._worker], count)
         yield resumes
+        warmups = CounterMetricFamily(
+            "sluice_prefix_warmups", "Warm-ups of a prompt family's new replica "
+            "(--prefix-warm-copies, proxy/warmup.py) by outcome: sent, warmed (answered "
+            "2xx), failed, skipped (not a JSON completion request, or too many at once)",
+            labels=["outcome", "worker"])
+        for outcome, count in sorted(stats.warmups.items()):
+            warmups.add_metric([outcome, self._worker], count)
+        yield warmups
         yield _histogram("sluice_upstream_latency_seconds",
                          "Request start to end of response", stats.upstream_latency)
         yield _histogram("sluice_upstream_ttfb_seconds",

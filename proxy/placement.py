@@ -105,7 +105,8 @@ class Family:
         # computing the family's prompt for the first request sent there: the overflow
         # waits at the primary meanwhile (PrefixPolicy._choose_placed). Cleared at that
         # request's first byte or its end (the exchange here, `adopt_warm` elsewhere), or
-        # by refresh() once older than WARM_HOLD (`warming_at`).
+        # by refresh() once older than WARM_HOLD (`warming_at`). With warm_copies, a
+        # secondary or a third copy whose warm-up has not answered yet (proxy/warmup.py).
         self.warming: ReplicaView | None = None
         self.warming_at = 0.0
         # A third copy sharing a hot family's load with the primary and the secondary

@@ -44,6 +44,12 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   full; proxies may disagree on it, the rendezvous order is the agreement.
   With shared placement it also learns (`learn`) the blocks other proxies
   announce for requests they sent to a family's spill replica.
+- **Warm copies** (`warm_copies`, off by default): a family's new copy (a secondary, or
+  a third copy) is not sent the request that made it, which would compute the prompt
+  cold; that request goes where the prompt is (`_held`), and the request carries
+  `prewarm`, the copy and a callback (`_warm_done`), for the exchange to hand to its
+  Warmer (proxy/warmup.py): a one-token warm-up of the same body. The copy is `warming`
+  until the warm-up answers, as for a cold first request.
 
 Reasons are counted per replica (`routed`): affinity (first choice or LRU
 hit), spill (skipped a full replica), fallback (no key or nobody within the
@@ -58,7 +64,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from zlib import crc32
 
 from proxy.interfaces import Policy, ReplicaView, Routable
@@ -221,6 +227,12 @@ class PrefixPolicy:
         self._outcomes: dict[ReplicaView, tuple[list[int], list[int]]] = {}
         self._predicted = PREDICTED_MISS  # of the decision being made (set by choose)
         self._warms: Family | None = None  # likewise: a family whose new secondary it is
+        # warm_copies (proxy/warmup.py): a family's new copy is warmed up instead of taking
+        # a client's request cold. `_can_warm`: the decision being made may ask for it (the
+        # request's body is here in full); `_prewarm`: what it asked (set on the request).
+        self._warm_copies = opts.warm_copies
+        self._can_warm = False
+        self._prewarm: tuple[ReplicaView, Callable[[bool], None]] | None = None
         # An engine hit: at least one block's worth of cached tokens (~4 bytes a token).
         self._hit_tokens = opts.block_bytes // 4
         # Placement by load and free cache capacity (proxy/placement.py); None: rendezvous.
@@ -341,6 +353,7 @@ class PrefixPolicy:
             return self._fall_back(exclude)
         key = self.key_of(request)
         self._predicted = PREDICTED_MISS  # a hit only where a known prefix is routed
+        self._can_warm = self._warm_copies and request.body_done
         if not key:
             chosen = self._fall_back(exclude)
         elif len(key) > 1 and self._lru_size:
@@ -360,6 +373,9 @@ class PrefixPolicy:
             request.cold = self._predicted == PREDICTED_MISS and bool(key)
         request.warms = self._warms
         self._warms = None
+        if self._prewarm is not None:
+            request.prewarm = self._prewarm
+            self._prewarm = None
         return chosen
 
     def _choose_known(self, key: tuple[int, ...],
@@ -580,8 +596,17 @@ class PrefixPolicy:
                 table.move(fam, chosen)  # its replica is gone or failed: the family moves
             else:
                 table.spill(fid, fam, chosen)  # saturated: the overflow moves here
-                self._warms = fam
                 reason = SPILL
+                if fam.warming is chosen and self._can_warm:
+                    # warm_copies: the new secondary gets a warm-up of the prompt; this
+                    # request waits where the prompt is, as the overflow does meanwhile.
+                    self._prewarm = (chosen, self._warm_done(fam, chosen))
+                    chosen = self._held(fam, exclude, capacity, table.now)
+                    self._predicted = PREDICTED_HIT
+                    if chosen is fam.primary:
+                        reason = AFFINITY
+                else:
+                    self._warms = fam
         if len(key) > 1 and self._lru_size:
             # The last block but one: the last may hold the body's tail after the
             # messages, which the conversation's next turn does not repeat.
@@ -639,7 +664,7 @@ class PrefixPolicy:
         looks at most once a clock tick, on the fleet's counts."""
         secondary = fam.secondary
         table = self.placement
-        if (secondary is None or fam.warming is not None or secondary.left_at is not None
+        if (secondary is None or fam.warming is secondary or secondary.left_at is not None
                 or table is None or fam.secondary_used < table.now - WARM_RECENT
                 or (exclude is not None and secondary in exclude)):
             return None
@@ -653,6 +678,8 @@ class PrefixPolicy:
             best, fewest = secondary, held
         if table.fullness <= THIRD_COPY_FULLNESS:
             third = fam.third
+            if third is not None and third is fam.warming:
+                return best  # its warm-up runs (warm_copies): the two copies share meanwhile
             if (third is not None and third.left_at is None
                     and fam.third_used >= table.now - WARM_RECENT
                     and (exclude is None or third not in exclude)):
@@ -669,9 +696,37 @@ class PrefixPolicy:
             if idle is not None:
                 fam.third = idle
                 fam.third_used = table.now
+                if self._can_warm:
+                    # warm_copies: a warm-up computes the prompt there; until it answers
+                    # the third copy is `warming` (the primary and the secondary share the
+                    # load meanwhile) and this request goes to the copy holding fewer.
+                    fam.warming = idle
+                    fam.warming_at = table.now
+                    fam.third_cold = False
+                    self._prewarm = (idle, self._warm_done(fam, idle))
+                    return best
                 fam.third_cold = True
                 return idle
         return best
+
+    def _warm_done(self, fam: Family, replica: ReplicaView) -> Callable[[bool], None]:
+        """The callback of `fam`'s warm-up on `replica` (proxy/warmup.py): the copy is no
+        longer warming; answered, it is warm from now (its last use is now); failed, a
+        third copy is dropped (a secondary stays: the next overflow computes the prompt
+        there, as without warm-ups)."""
+        def done(ok: bool) -> None:
+            if fam.warming is replica:
+                fam.warming = None
+            table = self.placement
+            now = table.now if table is not None else 0.0
+            if fam.third is replica:
+                if ok:
+                    fam.third_used = now
+                else:
+                    fam.third = None
+            elif ok and fam.secondary is replica:
+                fam.secondary_used = now
+        return done
 
     def _third_copy(self, fam: Family, exclude: set[ReplicaView] | None) -> ReplicaView | None:
         """The idlest replica that is neither the family's primary nor its secondary, if it

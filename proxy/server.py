@@ -47,6 +47,7 @@ from proxy.interfaces import PAUSE_PIPELINE, Upload
 from proxy.readyset import ReadySet
 from proxy.resume import ResumableExchange, resumable_kind
 from proxy.stats import Stats
+from proxy.warmup import Warmer
 
 log = logging.getLogger("sluice.proxy")
 
@@ -111,6 +112,7 @@ class ServerContext:
         self.suspects: list[ClientConnection] = []  # held with reading paused: left?
         self.access_log: AccessLog | None = None  # --access-log; set by the app
         self.failures = FailureLog(config.service)  # 502/503/504 warnings, rate-limited
+        self.warmer = Warmer(stats)  # prefix warm_copies' warm-ups (proxy/warmup.py)
 
     def tick(self) -> None:
         now = self.now = self.loop.time()

@@ -37,6 +37,8 @@ class Stats:
         self.ttfb = Histogram()  # request start -> response headers
         # Stream resumes (proxy/resume.py): (replica cut, cause, outcome) -> count.
         self.resumes: dict[tuple[str, str, str], int] = {}
+        # Warm-ups of a family's new replica (proxy/warmup.py): outcome -> count.
+        self.warmups: dict[str, int] = {}
         # Ready-set source figures, set by the source (Redis subscriber, Sky Serve sync).
         self.snapshots_rejected = 0
         self.placements_skipped = 0  # shared placement entries that failed to parse

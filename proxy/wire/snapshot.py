@@ -47,7 +47,10 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     cache capacity: proxy/placement.py), "rendezvous" (the hash alone) or "auto"
     (capacity once the placement is shared through Redis, else rendezvous);
     `replica_families`: families a replica's cache holds when its engine does not say
-    (0: 4); `placement_ttl`: seconds a family stays placed after its last request.
+    (0: 4); `placement_ttl`: seconds a family stays placed after its last request;
+    `warm_copies`: a family's new spill replica gets a one-token warm-up of its prompt
+    before its overflow goes there (proxy/warmup.py), instead of a client's request
+    computing it cold.
     """
 
     block_bytes: int = 256
@@ -60,6 +63,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     placement: str = "auto"
     replica_families: int = 0
     placement_ttl: float = 300.0
+    warm_copies: bool = False
 
     def __post_init__(self) -> None:
         if not 16 <= self.block_bytes <= self.prefix_bytes:

@@ -877,9 +877,10 @@ def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
 
     spec = parse_spec(service_with(replicas=2, load_balancing_policy="prefix", sluice={
         "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True,
-                   "spill_margin": 8}}))
+                   "spill_margin": 8, "warm_copies": True}}))
     assert spec.prefix_options == PrefixOptions(epsilon=0.75, session_header="X-Conversation",
-                                                user_field=True, spill_margin=8)
+                                                user_field=True, spill_margin=8,
+                                                warm_copies=True)
     # A Sky Serve YAML has no `sluice:` key: the defaults.
     plain = parse_spec(service_with(replicas=2, load_balancing_policy="prefix"))
     assert plain.prefix_options == PrefixOptions()
@@ -895,6 +896,7 @@ def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
         ({"prefix": {"spill_margin": 1.5}}, "$.service.sluice.prefix.spill_margin"),
         ({"prefix": {"spill_margin": "16"}}, "$.service.sluice.prefix.spill_margin"),
         ({"prefix": {"bogus": 1}}, "$.service.sluice.prefix.bogus"),
+        ({"prefix": {"warm_copies": "yes"}}, "$.service.sluice.prefix.warm_copies"),
         ({"prefix": {"block_bytes": 4096, "prefix_bytes": 1024}},
          "$.service.sluice.prefix.block_bytes"),
         ({"prefix": {"session_header": "Bad Header:"}}, "$.service.sluice.prefix.session_header"),

@@ -20,10 +20,15 @@ Every test skips with one line where the engine cannot run (tests/support/llama.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import aiohttp
 
+from proxy.replica import Replica
+from proxy.stats import Stats
+from proxy.warmup import Warmer
+from proxy.wire.snapshot import ReadyReplica
 from tests.engines.sse import Stream, chat, chat_body, events, stream_chat
 from tests.support.llama import MODEL_ALIAS, LlamaFactory, LlamaServer, timings
 from tests.support.poll import until
@@ -114,6 +119,35 @@ async def test_prefix_policy_sends_a_repeated_long_prompt_to_the_server_that_has
     # The control: round_robin sends every repeat to a server without that prompt.
     for (where, _), (again, cache_n) in zip(rr_first, rr_second, strict=True):
         assert again != where and cache_n < 50, (rr_first, rr_second)
+
+
+async def test_a_warm_up_leaves_the_prompt_in_the_engines_slot(
+    llama_factory: LlamaFactory,
+) -> None:
+    # --prefix-warm-copies (proxy/warmup.py): the one-token warm-up a new copy of a family
+    # gets must leave the prompt where the family's next request reuses it.
+    [server] = await llama_factory.astart(1, slots=2)
+    replica = Replica(ReadyReplica(id=1, url=server.url))
+    warmer = Warmer(Stats())
+    messages = [{"role": "system", "content": family(3)}, {"role": "user", "content": "hi"}]
+    body = json.dumps(chat_body(messages, max_tokens=24, stream=True)).encode()
+    before = server.metrics()
+    outcomes: list[bool] = []
+    try:
+        warmer.start(replica, b"POST /v1/chat/completions HTTP/1.1", [], body, outcomes.append)
+        await until(lambda: outcomes, timeout=60, what="the warm-up's answer")
+    finally:
+        await warmer.aclose()
+    after = server.metrics()
+    assert outcomes == [True] and replica.inflight == 0
+    # One token generated, the whole prompt computed.
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 1
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] >= \
+        len(family(3))
+    messages[1]["content"] = "and now a real question?"
+    async with session() as http:
+        reply = await chat(http, server.url, chat_body(messages, max_tokens=4))
+    assert timings(reply).cache_n >= len(family(3))
 
 
 async def test_a_client_leaving_mid_stream_frees_the_engines_slot(

@@ -39,6 +39,8 @@ class Req:
         self.outcome: list[int] | None = None
         self.cold = False
         self.warms: object = None
+        self.body_done = True
+        self.prewarm: Any = None
 
 
 def chat(system: str, *turns: str, model: str = "m", first: bool = True) -> bytes:
@@ -728,6 +730,8 @@ def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     assert _prefix_options({"prefix_epsilon": 0.5, "prefix_session_header": ""}) == \
         PrefixOptions(epsilon=0.5, session_header="")
     assert _prefix_options({"prefix_spill_margin": 0}) == PrefixOptions(spill_margin=0)
+    assert _prefix_options({"prefix_warm_copies": True}) == PrefixOptions(warm_copies=True)
+    assert _prefix_options({"prefix_warm_copies": False}) == PrefixOptions()
     result = CliRunner().invoke(proxy_command, [
         "--replicas", "http://127.0.0.1:1", "--policy", "prefix",
         "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])

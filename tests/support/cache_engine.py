@@ -13,7 +13,11 @@ each). Reported as the engines do:
   stream only in the usage event sent when the client asked for
   ``stream_options.include_usage`` (vllm/entrypoints/openai/serving_chat.py).
 
-``POST /flush`` forgets every prompt (an engine restarted, or its cache evicted);
+``"delay": S`` in a request holds its answer S seconds (at most 60), so a test can keep
+requests in flight. ``GET /requests`` lists what the last 256 requests asked and got:
+``max_tokens``, ``stream``, their ``X-Sluice-Warmup`` and ``Authorization`` headers and
+the ``tokens`` and ``cached`` tokens reported. ``POST /flush`` forgets every prompt (an
+engine restarted, or its cache evicted);
 ``"hostile": true`` in a request makes the answer carry 1,000 decoy markers and a
 million-digit ``"cache_n"`` before its real report (the proxy's scanner must neither
 choke nor count them). Every response carries ``X-Replica-Id``; ``/health`` is 200.
@@ -32,6 +36,7 @@ from aiohttp import web
 from tests.support.replica_app import serve_app
 
 SEEN = web.AppKey("seen", list)
+LOG = web.AppKey("log", list)
 FORMAT = web.AppKey("format", str)
 ID = web.AppKey("id", str)
 MAX_SEEN = 256
@@ -67,6 +72,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     seen.append(prompt)
     del seen[:-MAX_SEEN]
     tokens, cached = len(prompt) // 4, common // 4
+    log: list[dict[str, Any]] = app[LOG]
+    log.append({"max_tokens": body.get("max_tokens"), "stream": body.get("stream"),
+                "warmup": request.headers.get("X-Sluice-Warmup"),
+                "authorization": request.headers.get("Authorization"),
+                "tokens": tokens, "cached": cached})  # fmt: skip
+    del log[:-MAX_SEEN]
+    delay = body.get("delay")
+    if isinstance(delay, (int, float)) and delay > 0:
+        await asyncio.sleep(min(float(delay), 60.0))
     fmt = app[FORMAT]
     headers = {"X-Replica-Id": app[ID]}
     text = [f"answer from {app[ID]}", "."]
@@ -102,6 +116,10 @@ async def flush(request: web.Request) -> web.Response:
     return web.Response(text="flushed")
 
 
+async def requests(request: web.Request) -> web.Response:
+    return web.json_response(request.app[LOG])
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
@@ -109,12 +127,14 @@ async def health(request: web.Request) -> web.Response:
 def make_app(fmt: str, replica_id: str) -> web.Application:
     app = web.Application()
     app[SEEN] = []
+    app[LOG] = []
     app[FORMAT] = fmt
     app[ID] = replica_id
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/flush", flush)
     app.router.add_get("/health", health)
+    app.router.add_get("/requests", requests)
     return app
 
 

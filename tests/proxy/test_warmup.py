@@ -1,0 +1,323 @@
+"""Warm copies (proxy/warmup.py, `--prefix-warm-copies`): a hot family's new replica gets
+a one-token warm-up of the prompt, and no client request computes it cold there.
+
+The warm-up's body and headers (hostile bodies included), the policy's decisions with the
+option on (the request that made the copy waits where the prompt is; the copy takes the
+overflow once warmed, as a predicted hit), the Warmer against a real scripted engine
+(answered, failed, refused, bounded), and the whole path through a real proxy process
+to real engine processes, with the option on and off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.readyset import ReadySet
+from proxy.replica import Replica
+from proxy.stats import Stats
+from proxy.warmup import Warmer, warm_body, warm_headers, warm_path
+from proxy.wire.snapshot import PrefixOptions, ReadyReplica
+from tests.proxy.test_outcomes import CacheEngines, cache_engines, chat  # noqa: F401
+from tests.proxy.test_prefix import URLS, Req, bodies, key, snapshot
+from tests.support.harness import BASE_ARGS, metric, scrape
+from tests.support.poll import until
+from tests.support.ports import free_port
+from tests.support.processes import HOST, ProxyFactory
+
+# -- the warm-up request ----------------------------------------------------------------
+
+
+def test_only_completion_posts_are_warmed() -> None:
+    assert warm_path(b"POST /v1/chat/completions HTTP/1.1") == "/v1/chat/completions"
+    assert warm_path(b"POST /v1/completions?x=1 HTTP/1.1") == "/v1/completions?x=1"
+    for line in (b"GET /v1/chat/completions HTTP/1.1", b"POST /v1/embeddings HTTP/1.1",
+                 b"POST /v1/chat/completions/x HTTP/1.1", b"POST http://h/v1/completions HTTP/1.1",
+                 b"POST /v1/completions", b"POST  /v1/completions HTTP/1.1", b"",
+                 b"POST /v1/completions\xff HTTP/1.1"):
+        assert warm_path(line) is None, line
+
+
+def test_the_warm_up_asks_one_token_of_the_same_prompt() -> None:
+    original = {"model": "m", "messages": [{"role": "system", "content": "x" * 300}],
+                "stream": True, "stream_options": {"include_usage": True}, "n": 3,
+                "max_tokens": 500, "max_completion_tokens": 400, "temperature": 0.2,
+                "tools": [{"type": "function", "function": {"name": "f"}}]}
+    warm = json.loads(warm_body(json.dumps(original).encode()) or b"")
+    assert warm == {**{k: v for k, v in original.items() if k != "stream_options"},
+                    "stream": False, "n": 1, "max_tokens": 1, "max_completion_tokens": 1}
+    assert json.loads(warm_body(b'{"prompt": "abc"}') or b"") == {
+        "prompt": "abc", "max_tokens": 1, "stream": False}
+    for hostile in (b"", b"[1, 2]", b'"s"', b"{", b'{"a": 1}x', b"\xff\xfe", b"null",
+                    b"[" * 100_000, b'{"a": ' + b"[" * 100_000,
+                    b'{"prompt": "' + b"x" * (1 << 20) + b'"}'):
+        assert warm_body(hostile) is None, hostile[:20]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text()
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), JSON_VALUES, max_size=8))
+def test_any_json_object_keeps_every_field_but_the_output_ones(doc: dict[str, Any]) -> None:
+    warm = json.loads(warm_body(json.dumps(doc).encode()) or b"")
+    assert warm["max_tokens"] == 1 and warm["stream"] is False and "stream_options" not in warm
+    changed = {"max_tokens", "max_completion_tokens", "n", "stream", "stream_options"}
+    assert {k: v for k, v in warm.items() if k not in changed} == \
+        {k: v for k, v in doc.items() if k not in changed}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_give_a_body_or_none_never_an_error(raw: bytes) -> None:
+    warm = warm_body(raw)
+    assert warm is None or isinstance(json.loads(warm), dict)
+
+
+def test_the_warm_up_carries_the_clients_end_to_end_headers() -> None:
+    headers = [(b"Authorization", b"Bearer t"), (b"Content-Length", b"99"),
+               (b"Host", b"proxy"), (b"Connection", b"keep-alive"), (b"X-Api-Key", b"k"),
+               (b"Transfer-Encoding", b"chunked"), (b"Content-Type", b"text/plain"),
+               (b"Accept-Encoding", b"gzip"), (b"X-Session-Id", b"s\xe9")]
+    assert warm_headers(headers) == [
+        ("Content-Type", "application/json"), ("X-Sluice-Warmup", "1"),
+        ("Authorization", "Bearer t"), ("X-Api-Key", "k"), ("X-Session-Id", "s\xe9")]
+
+
+# -- the policy -----------------------------------------------------------------------------
+
+WARM = PrefixOptions(epsilon=0.5, placement="capacity", warm_copies=True)
+
+
+def saturated(options: PrefixOptions) -> tuple[ReadySet, bytes, Any, Any]:
+    """4 replicas, a family placed and its home over the bound (in flight 6 of 6 over 4):
+    (ready set, body, home, the family's entry)."""
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=options))
+    body = bodies(1, seed=41)[0]
+    home = ready.choose(None, Req(body))
+    assert home is not None
+    home.inflight = 6
+    fam = ready.policy.placement.families[key(body)[0]]  # type: ignore[attr-defined]
+    return ready, body, home, fam
+
+
+def test_a_new_secondary_is_warmed_up_and_takes_no_cold_request() -> None:
+    ready, body, home, fam = saturated(WARM)
+    first = Req(body)
+    assert ready.choose(None, first) is home  # where the prompt is
+    assert not first.cold and first.warms is None
+    spill, done = first.prewarm
+    assert spill is not home and fam.secondary is spill and fam.warming is spill
+    again = Req(body)
+    assert ready.choose(None, again) is home and again.prewarm is None  # held meanwhile
+    done(True)
+    assert fam.warming is None
+    warm = Req(body)
+    assert ready.choose(None, warm) is spill and not warm.cold and warm.prewarm is None
+    # Without the option the request that makes the copy computes the prompt there.
+    ready, body, home, fam = saturated(PrefixOptions(epsilon=0.5, placement="capacity"))
+    cold = Req(body)
+    spill = ready.choose(None, cold)
+    assert spill is not home and cold.cold and cold.warms is fam and cold.prewarm is None
+
+
+def test_a_failed_warm_up_leaves_the_secondary_as_without_the_option() -> None:
+    ready, body, _, fam = saturated(WARM)
+    first = Req(body)
+    ready.choose(None, first)
+    spill, done = first.prewarm
+    done(False)
+    assert fam.warming is None and fam.secondary is spill
+    assert ready.choose(None, Req(body)) is spill  # the next overflow: there, cold
+
+
+def test_a_body_not_held_in_full_is_not_warmed() -> None:
+    ready, body, home, _ = saturated(WARM)
+    partial = Req(body)
+    partial.body_done = False  # routed on its first bytes: nothing whole to warm with
+    spill = ready.choose(None, partial)
+    assert spill is not home and partial.cold and partial.prewarm is None
+
+
+def test_a_third_copy_is_warmed_up_before_it_shares_the_load() -> None:
+    options = PrefixOptions(placement="capacity", replica_families=13, warm_copies=True)
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:4], options=options))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    hot = bodies(1, seed=41)[0]
+    top = ready.choose(None, Req(hot))
+    table.refresh(table.now)
+    top.inflight = 13
+    made = Req(hot)
+    assert ready.choose(None, made) is top  # the secondary is warmed first
+    second, done = made.prewarm
+    done(True)
+    fam = table.families[key(hot)[0]]
+    busy, idle = [r for r in ready.replicas if r not in (top, second)]
+    top.inflight, second.inflight, busy.inflight, idle.inflight = 6, 6, 1, 0
+    first = Req(hot)
+    assert ready.choose(None, first) in (top, second) and not first.cold
+    target, done = first.prewarm
+    assert target is idle and fam.third is idle and fam.warming is idle
+    # Not there while it warms; the primary and the secondary share the load meanwhile.
+    second.inflight = 5
+    assert ready.choose(None, Req(hot)) is second
+    second.inflight, top.inflight = 7, 6
+    assert ready.choose(None, Req(hot)) is top
+    second.inflight = 6
+    done(True)
+    shared = Req(hot)
+    assert ready.choose(None, shared) is idle and not shared.cold
+    # A failed warm-up drops the third copy.
+    fam.third = None
+    first = Req(hot)
+    ready.choose(None, first)
+    target, done = first.prewarm
+    done(False)
+    assert fam.third is None and fam.warming is None
+
+
+# -- the Warmer, against a real scripted engine ------------------------------------------
+
+
+async def engine_log(url: str) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/requests") as resp:
+        log: list[dict[str, Any]] = await resp.json()
+        return log
+
+
+def replica(url: str) -> Replica:
+    return Replica(ReadyReplica(id=1, url=url))
+
+
+async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) -> None:  # noqa: F811
+    [engine] = await cache_engines.astart("vllm", ["a"])
+    stats = Stats()
+    warmer = Warmer(stats, max_running=1)
+    target = replica(engine.url)
+    outcomes: list[bool] = []
+    body = json.dumps(chat(1, "q", stream=True, max_tokens=50, delay=0.5)).encode()
+    try:
+        assert warmer.start(target, b"POST /v1/chat/completions HTTP/1.1",
+                            [(b"Authorization", b"Bearer t")], body, outcomes.append)
+        # While it runs: counted on the replica as a cold request in flight; a second
+        # warm-up past max_running is skipped at once.
+        await until(lambda: target.inflight == 1 and target.prefilling == 1,
+                    what="the warm-up in flight")
+        assert not warmer.start(target, b"POST /v1/completions HTTP/1.1", [], body,
+                                outcomes.append)
+        assert outcomes == [False]
+        await until(lambda: len(outcomes) == 2, what="the warm-up's answer")
+        assert outcomes == [False, True] and target.inflight == 0 and target.prefilling == 0
+        [seen] = await engine_log(engine.url)
+        assert seen["max_tokens"] == 1 and seen["stream"] is False
+        assert seen["warmup"] == "1" and seen["authorization"] == "Bearer t"
+        # The engine answered from its cache afterwards: the prompt is there.
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{engine.url}/v1/chat/completions",
+                              json=chat(1, "next")) as resp:
+                usage = (await resp.json())["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
+        # Not a completion request, not JSON: skipped, nothing sent.
+        assert not warmer.start(target, b"POST /v1/embeddings HTTP/1.1", [], body,
+                                outcomes.append)
+        assert not warmer.start(target, b"POST /v1/completions HTTP/1.1", [], b"{",
+                                outcomes.append)
+        # A replica that refuses the connection: failed, reported once.
+        dead = replica(f"http://{HOST}:{free_port()}")
+        assert warmer.start(dead, b"POST /v1/completions HTTP/1.1", [], body,
+                            outcomes.append)
+        await until(lambda: len(outcomes) == 5, what="the failed warm-up")
+        assert outcomes[2:] == [False, False, False] and dead.inflight == 0
+        assert len(await engine_log(engine.url)) == 2  # the skipped ones never went out
+        assert stats.warmups == {"sent": 2, "warmed": 1, "failed": 1, "skipped": 3}
+    finally:
+        await warmer.aclose()
+
+
+async def test_closing_the_warmer_cancels_what_runs(cache_engines: CacheEngines) -> None:  # noqa: F811
+    [engine] = await cache_engines.astart("vllm", ["a"])
+    warmer = Warmer(Stats())
+    target = replica(engine.url)
+    outcomes: list[bool] = []
+    body = json.dumps(chat(1, "q", delay=30)).encode()
+    warmer.start(target, b"POST /v1/chat/completions HTTP/1.1", [], body, outcomes.append)
+    await until(lambda: target.inflight == 1, what="the warm-up in flight")
+    await asyncio.wait_for(warmer.aclose(), 5)
+    assert outcomes == [False] and target.inflight == 0 and not warmer.running
+
+
+# -- through a real proxy --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm-copies", "off"])
+async def test_a_hot_familys_second_replica_serves_no_cold_request(
+    warm: bool, cache_engines: CacheEngines, proxy_factory: ProxyFactory,  # noqa: F811
+) -> None:
+    engines = await cache_engines.astart("vllm", ["a", "b"])
+    by_id = {e.id: e for e in engines}
+    args = [*BASE_ARGS, "--policy", "prefix", "--prefix-placement", "capacity",
+            "--prefix-epsilon", "0.5", "--prefix-spill-margin", "1"]
+    if warm:
+        args.append("--prefix-warm-copies")
+    proxy = await proxy_factory.astart(*args, replicas=[e.url for e in engines])
+    url = f"{proxy.url}/v1/chat/completions"
+    async with aiohttp.ClientSession() as http:
+        async def ask(body: dict[str, Any], **headers: str) -> tuple[str, int]:
+            async with http.post(url, json=body, headers=headers) as resp:
+                assert resp.status == 200
+                doc = await resp.json()
+                return (resp.headers["X-Replica-Id"],
+                        doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        home_id, _ = await ask(chat(7, "first"))
+        home, other = by_id[home_id], next(e for e in engines if e.id != home_id)
+        # Three requests held in flight at home: 3 of 2 replicas' mean 2 is its bound
+        # (ceil(1.5 x 2) = 2 + 1 = 3), so the family's next request is overflow.
+        held = [asyncio.create_task(ask(chat(7, f"slow {i}", delay=30))) for i in range(3)]
+        try:
+            await until(lambda: _count(engine_log(home.url), 4), what="3 held at home")
+            made, cached = await ask(chat(7, "makes the copy", max_tokens=50),
+                                     Authorization="Bearer t")
+            if warm:
+                # It waited where the prompt was; the other replica got the warm-up.
+                assert (made, cached >= 64) == (home.id, True)
+                log = await until(lambda: _warmed(other.url), what="the warm-up")
+                assert log["max_tokens"] == 1 and log["authorization"] == "Bearer t"
+                await until(lambda: _metric(proxy.admin_url, "warmed"), what="warmed")
+                # The copy is warm: the overflow goes there, and hits.
+                there, cached = await ask(chat(7, "overflow"))
+                assert there == other.id and cached >= 64
+            else:
+                assert (made, cached) == (other.id, 0)  # computed the prompt cold there
+                assert [r["warmup"] for r in await engine_log(other.url)] == [None]
+            samples = await scrape(proxy.admin_url)
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    sent = metric(samples, "sluice_prefix_warmups_total", outcome="sent")
+    assert sent == (1 if warm else 0)
+
+
+async def _count(log: Any, n: int) -> bool:
+    return len(await log) >= n
+
+
+async def _warmed(url: str) -> dict[str, Any] | None:
+    return next((r for r in await engine_log(url) if r["warmup"] == "1"), None)
+
+
+async def _metric(admin_url: str, outcome: str) -> bool:
+    return metric(await scrape(admin_url), "sluice_prefix_warmups_total", outcome=outcome) > 0
