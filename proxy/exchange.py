@@ -288,7 +288,7 @@ class Exchange:
         self.prewarm = None
         if self.body_done and self.body_whole:
             body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-            self.ctx.warmer.start(target, self.head_line, self.req_headers, body, done)
+            self.ctx.warmer.start(target, self.head_line, self.head_tail, body, done)
         else:
             done(False)
 

@@ -711,9 +711,10 @@ class PrefixPolicy:
 
     def _warm_done(self, fam: Family, replica: ReplicaView) -> Callable[[bool], None]:
         """The callback of `fam`'s warm-up on `replica` (proxy/warmup.py): the copy is no
-        longer warming; answered, it is warm from now (its last use is now); failed, a
-        third copy is dropped (a secondary stays: the next overflow computes the prompt
-        there, as without warm-ups)."""
+        longer warming; answered, it is warm from now (its last use is now); not answered
+        (failed, skipped), the copy is as without warm copies: the next request sent there
+        computes the prompt (a third copy is marked cold again, not dropped, so a
+        warm-up that always fails is not remade at every request)."""
         def done(ok: bool) -> None:
             if fam.warming is replica:
                 fam.warming = None
@@ -723,7 +724,7 @@ class PrefixPolicy:
                 if ok:
                     fam.third_used = now
                 else:
-                    fam.third = None
+                    fam.third_cold = True  # as without warm copies: its next request
             elif ok and fam.secondary is replica:
                 fam.secondary_used = now
         return done

@@ -13,20 +13,25 @@ prompt's KV cache (vLLM's and SGLang's prefix caches, llama.cpp's slot), so the
 family's next requests there are hits. Until it answers, the family's overflow waits
 where the prompt is (`Family.warming`, as for a cold first request).
 
-Off the request path: the policy only names the replica; the exchange hands the body
-it holds in full to `Warmer.start`, which parses and sends it in a task (one JSON
-decode and encode per new copy, a rare event: a few a minute on a busy fleet). Bounded:
-at most `MAX_RUNNING` warm-ups at once per proxy process (one more is skipped, and
-that copy's first request is cold as without the option), each within `TIMEOUT`
-seconds. The warm-up counts in the replica's `inflight` and `prefilling` while it runs,
-as a client's cold request would. Outcomes are counted (`Stats.warmups`:
-`sent`, `warmed`, `failed`, `skipped`); a failure is logged at INFO, at most one line
-per `LOG_EVERY` seconds.
+Nearly off the request path: the policy only names the replica; the exchange hands the
+body it holds in full to `Warmer.start`, which checks the path and the count, then
+rewrites the body (one JSON decode and encode per new copy, a rare event: a few a minute
+on a busy fleet) and sends it in a task. Bounded: at most `MAX_RUNNING` warm-ups at once
+per proxy process (one more is skipped), each within `TIMEOUT` seconds (the hold on the
+family's overflow, `placement.WARM_HOLD`, lasts as long), the answer's body not read.
+The warm-up counts in the replica's `inflight` and `prefilling` while it runs, as a
+client's cold request would. Outcomes are counted (`Stats.warmups`: `sent`, `warmed`,
+`failed`, `skipped`); a failure is logged at INFO, at most one line per `LOG_EVERY`
+seconds. Any warm-up not answered 2xx leaves the copy as without the option: its next
+request computes the prompt (PrefixPolicy._warm_done).
 
-Only `POST /v1/chat/completions` and `POST /v1/completions` with a JSON object body
-are warmed (`warm_request`); anything else is skipped. The warm-up carries the client's
-end-to-end headers (its `Authorization`, for a replica that checks one) and
-`X-Sluice-Warmup: 1`.
+Only `POST /v1/chat/completions` and `POST /v1/completions` with a JSON object body the
+exchange holds in full are warmed; anything else is skipped. A prompt longer than the
+policy's `prefix_bytes` is routed before its body is complete, so it is not warmed. The
+warm-up carries the headers the exchange forwards (already cleaned of hop-by-hop and
+spoofable ones, with the proxy's own X-Forwarded-For: so the client's `Authorization`
+too, for a replica that checks one), without framing, and `X-Sluice-Warmup: 1`; it goes
+to the replica's own scheme, host and path prefix, and follows no redirect.
 """
 
 from __future__ import annotations
@@ -35,27 +40,30 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
 
 from proxy.interfaces import ReplicaView
+from proxy.placement import WARM_HOLD
 from proxy.stats import Stats
 
 log = logging.getLogger("sluice.proxy")
 
 MAX_RUNNING = 4  # warm-ups in flight at once, per proxy process
-TIMEOUT = 60.0  # s; a warm-up not answered by then is abandoned
+TIMEOUT = WARM_HOLD  # s; a warm-up not answered by then is abandoned (the hold ends too)
 LOG_EVERY = 10.0  # s; at most one INFO line about failed warm-ups this often
 MAX_BODY = 1 << 20  # bytes; a larger body is not warmed
 PATHS = (b"/v1/chat/completions", b"/v1/completions")
 WARMUP_HEADER = ("X-Sluice-Warmup", "1")
-# Not forwarded: hop-by-hop, framing and those the client library sets itself.
+# Not taken from the forwarded headers: framing, the body's type (set here), and ours.
 _DROPPED = frozenset({
-    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
-    b"proxy-authenticate", b"te", b"trailer", b"transfer-encoding", b"upgrade",
-    b"content-length", b"host", b"expect", b"accept-encoding", b"content-type",
+    b"content-length", b"transfer-encoding", b"host", b"content-type", b"accept-encoding",
+    b"x-sluice-warmup",
 })
+# Output-shaping fields a one-token answer cannot satisfy (an engine would refuse it).
+_OUTPUT_FIELDS = ("stream_options", "min_tokens")
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -96,17 +104,27 @@ def warm_body(body: bytes) -> bytes | None:
     if "n" in doc:
         doc["n"] = 1
     doc["stream"] = False
-    doc.pop("stream_options", None)
+    for field in _OUTPUT_FIELDS:
+        doc.pop(field, None)
     return _encode(doc)
 
 
-def warm_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """The client's end-to-end headers for the warm-up, plus X-Sluice-Warmup."""
+def warm_headers(head_tail: bytes) -> list[tuple[str, str]]:
+    """The warm-up's headers: the lines the exchange forwards (`head_tail`, as cleaned by
+    the server), without framing, plus Content-Type and X-Sluice-Warmup."""
     out = [("Content-Type", "application/json"), WARMUP_HEADER]
-    for name, value in headers:
-        if name.lower() not in _DROPPED:
-            out.append((name.decode("latin-1"), value.decode("latin-1")))
+    for line in head_tail.split(b"\r\n"):
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() not in _DROPPED:
+            out.append((name.strip().decode("latin-1"), value.strip().decode("latin-1")))
     return out
+
+
+def warm_url(replica: ReplicaView, path: str) -> str:
+    """Where the warm-up goes: the replica's scheme, Host and path prefix, then `path`."""
+    scheme = urlsplit(replica.url).scheme
+    return f"{scheme}://{replica.host_header.decode('ascii')}" \
+           f"{replica.path.decode('ascii')}{path}"
 
 
 class Warmer:
@@ -121,21 +139,20 @@ class Warmer:
         self._session: aiohttp.ClientSession | None = None
         self._logged_at = 0.0
 
-    def start(self, replica: ReplicaView, head_line: bytes,
-              headers: list[tuple[bytes, bytes]], body: bytes,
+    def start(self, replica: ReplicaView, head_line: bytes, head_tail: bytes, body: bytes,
               done: Callable[[bool], None]) -> bool:
         """Warm `replica` up with this request's prompt; `done(ok)` is called once, when
-        the warm-up answered 2xx (True) or failed, timed out, was skipped or cancelled
-        (False). Returns whether it was sent (False: `done(False)` was already called)."""
-        path = warm_path(head_line)
+        the warm-up answered 2xx (True) or failed, timed out or was skipped (False; a
+        warm-up cancelled by `aclose` before it began is not reported: the process is
+        stopping). Returns whether it was sent (False: `done(False)` was called)."""
+        path = warm_path(head_line) if len(self.running) < self.max_running else None
         warm = warm_body(body) if path is not None else None
-        if path is None or warm is None or len(self.running) >= self.max_running:
+        if path is None or warm is None:
             self._count("skipped")
             done(False)
             return False
-        url = replica.url.rstrip("/") + path
         task = asyncio.get_running_loop().create_task(
-            self._run(replica, url, warm_headers(headers), warm, done))
+            self._run(replica, warm_url(replica, path), warm_headers(head_tail), warm, done))
         self.running.add(task)
         task.add_done_callback(self.running.discard)
         self._count("sent")
@@ -153,9 +170,9 @@ class Warmer:
                 session = self._session = aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=self.timeout),
                     connector=aiohttp.TCPConnector(limit=self.max_running))
-            async with session.post(url, data=body, headers=headers) as resp:
-                await resp.read()
-                ok = 200 <= resp.status < 300
+            async with session.post(url, data=body, headers=headers,
+                                    allow_redirects=False) as resp:
+                ok = 200 <= resp.status < 300  # the body is not read: released unread
                 if not ok:
                     error = f"HTTP {resp.status}"
         except asyncio.CancelledError:

@@ -128,13 +128,14 @@ async def test_a_warm_up_leaves_the_prompt_in_the_engines_slot(
     # gets must leave the prompt where the family's next request reuses it.
     [server] = await llama_factory.astart(1, slots=2)
     replica = Replica(ReadyReplica(id=1, url=server.url))
-    warmer = Warmer(Stats())
+    warmer = Warmer(Stats(), timeout=60.0)  # the engine's behaviour, not the hold's bound
     messages = [{"role": "system", "content": family(3)}, {"role": "user", "content": "hi"}]
     body = json.dumps(chat_body(messages, max_tokens=24, stream=True)).encode()
     before = server.metrics()
     outcomes: list[bool] = []
     try:
-        warmer.start(replica, b"POST /v1/chat/completions HTTP/1.1", [], body, outcomes.append)
+        warmer.start(replica, b"POST /v1/chat/completions HTTP/1.1\r\n", b"\r\n", body,
+                     outcomes.append)
         await until(lambda: outcomes, timeout=60, what="the warm-up's answer")
     finally:
         await warmer.aclose()

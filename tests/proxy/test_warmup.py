@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.stats import Stats
-from proxy.warmup import Warmer, warm_body, warm_headers, warm_path
+from proxy.warmup import Warmer, warm_body, warm_headers, warm_path, warm_url
 from proxy.wire.snapshot import PrefixOptions, ReadyReplica
 from tests.proxy.test_outcomes import CacheEngines, cache_engines, chat  # noqa: F401
 from tests.proxy.test_prefix import URLS, Req, bodies, key, snapshot
@@ -47,9 +47,11 @@ def test_the_warm_up_asks_one_token_of_the_same_prompt() -> None:
     original = {"model": "m", "messages": [{"role": "system", "content": "x" * 300}],
                 "stream": True, "stream_options": {"include_usage": True}, "n": 3,
                 "max_tokens": 500, "max_completion_tokens": 400, "temperature": 0.2,
+                "min_tokens": 10,
                 "tools": [{"type": "function", "function": {"name": "f"}}]}
     warm = json.loads(warm_body(json.dumps(original).encode()) or b"")
-    assert warm == {**{k: v for k, v in original.items() if k != "stream_options"},
+    assert warm == {**{k: v for k, v in original.items()
+                       if k not in ("stream_options", "min_tokens")},
                     "stream": False, "n": 1, "max_tokens": 1, "max_completion_tokens": 1}
     assert json.loads(warm_body(b'{"prompt": "abc"}') or b"") == {
         "prompt": "abc", "max_tokens": 1, "stream": False}
@@ -72,7 +74,8 @@ JSON_VALUES = st.recursive(
 def test_any_json_object_keeps_every_field_but_the_output_ones(doc: dict[str, Any]) -> None:
     warm = json.loads(warm_body(json.dumps(doc).encode()) or b"")
     assert warm["max_tokens"] == 1 and warm["stream"] is False and "stream_options" not in warm
-    changed = {"max_tokens", "max_completion_tokens", "n", "stream", "stream_options"}
+    changed = {"max_tokens", "max_completion_tokens", "n", "stream", "stream_options",
+               "min_tokens"}
     assert {k: v for k, v in warm.items() if k not in changed} == \
         {k: v for k, v in doc.items() if k not in changed}
 
@@ -84,14 +87,25 @@ def test_any_bytes_give_a_body_or_none_never_an_error(raw: bytes) -> None:
     assert warm is None or isinstance(json.loads(warm), dict)
 
 
-def test_the_warm_up_carries_the_clients_end_to_end_headers() -> None:
-    headers = [(b"Authorization", b"Bearer t"), (b"Content-Length", b"99"),
-               (b"Host", b"proxy"), (b"Connection", b"keep-alive"), (b"X-Api-Key", b"k"),
-               (b"Transfer-Encoding", b"chunked"), (b"Content-Type", b"text/plain"),
-               (b"Accept-Encoding", b"gzip"), (b"X-Session-Id", b"s\xe9")]
-    assert warm_headers(headers) == [
+def test_the_warm_up_carries_the_forwarded_headers_without_framing() -> None:
+    # The exchange's head_tail: the client's lines as the server cleaned them, then the
+    # proxy's own X-Forwarded-For and friends, then the blank line.
+    tail = (b"Authorization: Bearer t\r\nContent-Length: 99\r\nX-Api-Key: k\r\n"
+            b"Content-Type: text/plain\r\nAccept-Encoding: gzip\r\nX-Session-Id: s\xe9\r\n"
+            b"X-Sluice-Warmup: 0\r\nX-Forwarded-For: 10.0.0.9, 127.0.0.1\r\n"
+            b"X-Forwarded-Host: proxy\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert warm_headers(tail) == [
         ("Content-Type", "application/json"), ("X-Sluice-Warmup", "1"),
-        ("Authorization", "Bearer t"), ("X-Api-Key", "k"), ("X-Session-Id", "s\xe9")]
+        ("Authorization", "Bearer t"), ("X-Api-Key", "k"), ("X-Session-Id", "s\xe9"),
+        ("X-Forwarded-For", "10.0.0.9, 127.0.0.1"), ("X-Forwarded-Host", "proxy")]
+
+
+def test_the_warm_up_goes_to_the_replicas_own_scheme_host_and_path() -> None:
+    plain = Replica(ReadyReplica(id=1, url="http://10.0.0.7:8000"))
+    assert warm_url(plain, "/v1/completions") == "http://10.0.0.7:8000/v1/completions"
+    ingress = Replica(ReadyReplica(id=2, url="https://h.example/skypilot/ns/c/8000/"))
+    assert warm_url(ingress, "/v1/chat/completions?a=1") == \
+        "https://h.example/skypilot/ns/c/8000/v1/chat/completions?a=1"
 
 
 # -- the policy -----------------------------------------------------------------------------
@@ -179,13 +193,16 @@ def test_a_third_copy_is_warmed_up_before_it_shares_the_load() -> None:
     done(True)
     shared = Req(hot)
     assert ready.choose(None, shared) is idle and not shared.cold
-    # A failed warm-up drops the third copy.
+    # A failed (or skipped) warm-up leaves the copy as without the option: cold, its next
+    # request computes the prompt; it is not remade (and warmed) at every request.
     fam.third = None
     first = Req(hot)
     ready.choose(None, first)
     target, done = first.prewarm
     done(False)
-    assert fam.third is None and fam.warming is None
+    assert fam.third is target and fam.warming is None and fam.third_cold
+    cold = Req(hot)
+    assert ready.choose(None, cold) is target and cold.cold and cold.prewarm is None
 
 
 # -- the Warmer, against a real scripted engine ------------------------------------------
@@ -204,23 +221,27 @@ def replica(url: str) -> Replica:
 async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) -> None:  # noqa: F811
     [engine] = await cache_engines.astart("vllm", ["a"])
     stats = Stats()
-    warmer = Warmer(stats, max_running=1)
+    warmer = Warmer(stats, max_running=1, timeout=1.0)
     target = replica(engine.url)
     outcomes: list[bool] = []
-    body = json.dumps(chat(1, "q", stream=True, max_tokens=50, delay=0.5)).encode()
+    chat_line, auth = b"POST /v1/chat/completions HTTP/1.1\r\n", b"Authorization: Bearer t\r\n\r\n"
+    slow = json.dumps(chat(1, "q", stream=True, max_tokens=50, delay=30)).encode()
+    body = json.dumps(chat(1, "q", stream=True, max_tokens=50)).encode()
     try:
-        assert warmer.start(target, b"POST /v1/chat/completions HTTP/1.1",
-                            [(b"Authorization", b"Bearer t")], body, outcomes.append)
-        # While it runs: counted on the replica as a cold request in flight; a second
-        # warm-up past max_running is skipped at once.
+        # An engine that does not answer within the timeout: counted on the replica as a
+        # cold request in flight meanwhile, then failed; past max_running, skipped.
+        assert warmer.start(target, chat_line, auth, slow, outcomes.append)
         await until(lambda: target.inflight == 1 and target.prefilling == 1,
                     what="the warm-up in flight")
-        assert not warmer.start(target, b"POST /v1/completions HTTP/1.1", [], body,
-                                outcomes.append)
+        assert not warmer.start(target, chat_line, auth, body, outcomes.append)
         assert outcomes == [False]
-        await until(lambda: len(outcomes) == 2, what="the warm-up's answer")
-        assert outcomes == [False, True] and target.inflight == 0 and target.prefilling == 0
-        [seen] = await engine_log(engine.url)
+        await until(lambda: len(outcomes) == 2, what="the warm-up's timeout")
+        assert outcomes == [False, False] and target.inflight == 0 and target.prefilling == 0
+        # Answered: reported True, one token asked, not streamed, the headers carried.
+        assert warmer.start(target, chat_line, auth, body, outcomes.append)
+        await until(lambda: len(outcomes) == 3, what="the warm-up's answer")
+        assert outcomes[2] is True and target.inflight == 0
+        seen = (await engine_log(engine.url))[-1]
         assert seen["max_tokens"] == 1 and seen["stream"] is False
         assert seen["warmup"] == "1" and seen["authorization"] == "Bearer t"
         # The engine answered from its cache afterwards: the prompt is there.
@@ -230,18 +251,16 @@ async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) 
                 usage = (await resp.json())["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 64
         # Not a completion request, not JSON: skipped, nothing sent.
-        assert not warmer.start(target, b"POST /v1/embeddings HTTP/1.1", [], body,
+        assert not warmer.start(target, b"POST /v1/embeddings HTTP/1.1\r\n", auth, body,
                                 outcomes.append)
-        assert not warmer.start(target, b"POST /v1/completions HTTP/1.1", [], b"{",
-                                outcomes.append)
+        assert not warmer.start(target, chat_line, auth, b"{", outcomes.append)
         # A replica that refuses the connection: failed, reported once.
         dead = replica(f"http://{HOST}:{free_port()}")
-        assert warmer.start(dead, b"POST /v1/completions HTTP/1.1", [], body,
-                            outcomes.append)
-        await until(lambda: len(outcomes) == 5, what="the failed warm-up")
-        assert outcomes[2:] == [False, False, False] and dead.inflight == 0
-        assert len(await engine_log(engine.url)) == 2  # the skipped ones never went out
-        assert stats.warmups == {"sent": 2, "warmed": 1, "failed": 1, "skipped": 3}
+        assert warmer.start(dead, chat_line, auth, body, outcomes.append)
+        await until(lambda: len(outcomes) == 6, what="the failed warm-up")
+        assert outcomes[3:] == [False, False, False] and dead.inflight == 0
+        assert len(await engine_log(engine.url)) == 3  # the skipped ones never went out
+        assert stats.warmups == {"sent": 3, "warmed": 1, "failed": 2, "skipped": 3}
     finally:
         await warmer.aclose()
 
@@ -252,7 +271,8 @@ async def test_closing_the_warmer_cancels_what_runs(cache_engines: CacheEngines)
     target = replica(engine.url)
     outcomes: list[bool] = []
     body = json.dumps(chat(1, "q", delay=30)).encode()
-    warmer.start(target, b"POST /v1/chat/completions HTTP/1.1", [], body, outcomes.append)
+    warmer.start(target, b"POST /v1/chat/completions HTTP/1.1\r\n", b"\r\n", body,
+                 outcomes.append)
     await until(lambda: target.inflight == 1, what="the warm-up in flight")
     await asyncio.wait_for(warmer.aclose(), 5)
     assert outcomes == [False] and target.inflight == 0 and not warmer.running
@@ -288,13 +308,15 @@ async def test_a_hot_familys_second_replica_serves_no_cold_request(
         held = [asyncio.create_task(ask(chat(7, f"slow {i}", delay=30))) for i in range(3)]
         try:
             await until(lambda: _count(engine_log(home.url), 4), what="3 held at home")
+            # A client's own X-Real-IP is not forwarded (the proxy sets it), nor warmed.
             made, cached = await ask(chat(7, "makes the copy", max_tokens=50),
-                                     Authorization="Bearer t")
+                                     Authorization="Bearer t", **{"X-Real-IP": "6.6.6.6"})
             if warm:
                 # It waited where the prompt was; the other replica got the warm-up.
                 assert (made, cached >= 64) == (home.id, True)
                 log = await until(lambda: _warmed(other.url), what="the warm-up")
                 assert log["max_tokens"] == 1 and log["authorization"] == "Bearer t"
+                assert log["x_real_ip"] == "127.0.0.1"
                 await until(lambda: _metric(proxy.admin_url, "warmed"), what="warmed")
                 # The copy is warm: the overflow goes there, and hits.
                 there, cached = await ask(chat(7, "overflow"))

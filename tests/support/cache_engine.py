@@ -15,9 +15,9 @@ each). Reported as the engines do:
 
 ``"delay": S`` in a request holds its answer S seconds (at most 60), so a test can keep
 requests in flight. ``GET /requests`` lists what the last 256 requests asked and got:
-``max_tokens``, ``stream``, their ``X-Sluice-Warmup`` and ``Authorization`` headers and
-the ``tokens`` and ``cached`` tokens reported. ``POST /flush`` forgets every prompt (an
-engine restarted, or its cache evicted);
+``max_tokens``, ``stream``, their ``X-Sluice-Warmup``, ``Authorization`` and
+``X-Real-IP`` headers and the ``tokens`` and ``cached`` tokens reported. ``POST /flush``
+forgets every prompt (an engine restarted, or its cache evicted);
 ``"hostile": true`` in a request makes the answer carry 1,000 decoy markers and a
 million-digit ``"cache_n"`` before its real report (the proxy's scanner must neither
 choke nor count them). Every response carries ``X-Replica-Id``; ``/health`` is 200.
@@ -76,6 +76,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     log.append({"max_tokens": body.get("max_tokens"), "stream": body.get("stream"),
                 "warmup": request.headers.get("X-Sluice-Warmup"),
                 "authorization": request.headers.get("Authorization"),
+                "x_real_ip": request.headers.get("X-Real-IP"),
                 "tokens": tokens, "cached": cached})  # fmt: skip
     del log[:-MAX_SEEN]
     delay = body.get("delay")
