@@ -282,11 +282,12 @@ class Exchange:
             self.on_connection(conn)
 
     def send_prewarm(self) -> None:
-        """Hand the prefix policy's warm-up to the Warmer, with the body held in full (a
-        body not held whole is not warmed: the callback hears False at once)."""
+        """Hand the prefix policy's warm-up to the Warmer, with the body (complete: the
+        policy asks only then); one no longer held whole (past --retry-body-limit) is not
+        warmed: the callback hears False at once."""
         target, done = self.prewarm  # type: ignore[misc]
         self.prewarm = None
-        if self.body_done and self.body_whole:
+        if self.body_whole:
             body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
             self.ctx.warmer.start(target, self.head_line, self.head_tail, body, done)
         else:
