@@ -265,6 +265,67 @@ async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) 
         await warmer.aclose()
 
 
+async def test_a_hostile_replica_gets_no_more_than_one_request() -> None:
+    # Replicas that answer 500, redirect elsewhere (with the client's Authorization in
+    # the warm-up: a redirect must not carry it to another host) or send an endless body:
+    # each warm-up fails or ends at its status, is counted, and the accounting returns.
+    from aiohttp import web
+
+    hits: dict[str, int] = {}
+    elsewhere = free_port()
+
+    async def error(request: web.Request) -> web.StreamResponse:
+        hits["error"] = hits.get("error", 0) + 1
+        return web.Response(status=500, text="boom")
+
+    async def redirect(request: web.Request) -> web.StreamResponse:
+        hits["redirect"] = hits.get("redirect", 0) + 1
+        raise web.HTTPTemporaryRedirect(f"http://{HOST}:{elsewhere}/v1/chat/completions")
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        hits["endless"] = hits.get("endless", 0) + 1
+        resp = web.StreamResponse(status=200)
+        await resp.prepare(request)
+        for _ in range(100_000):  # stops when the warmer lets go of the connection
+            await resp.write(b"x" * 65536)
+        return resp
+
+    async def catch(request: web.Request) -> web.StreamResponse:
+        hits["elsewhere"] = hits.get("elsewhere", 0) + 1
+        return web.Response(text="ok")
+
+    runners = []
+    urls = {}
+    for name, handler, port in (("error", error, free_port()), ("redirect", redirect, free_port()),
+                                ("endless", endless, free_port()), ("elsewhere", catch, elsewhere)):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, port).start()
+        runners.append(runner)
+        urls[name] = f"http://{HOST}:{port}"
+    stats = Stats()
+    warmer = Warmer(stats, timeout=3.0)
+    outcomes: dict[str, bool] = {}
+    body = json.dumps(chat(1, "q", stream=True)).encode()
+    targets = {name: replica(urls[name]) for name in ("error", "redirect", "endless")}
+    try:
+        for name, target in targets.items():
+            warmer.start(target, b"POST /v1/chat/completions HTTP/1.1\r\n",
+                         b"Authorization: Bearer t\r\n\r\n", body,
+                         lambda ok, name=name: outcomes.__setitem__(name, ok))  # type: ignore[misc]
+        await until(lambda: len(outcomes) == 3, what="every warm-up's outcome")
+    finally:
+        await warmer.aclose()
+        for runner in runners:
+            await runner.cleanup()
+    assert outcomes == {"error": False, "redirect": False, "endless": True}
+    assert hits == {"error": 1, "redirect": 1, "endless": 1}  # nothing reached elsewhere
+    assert all(t.inflight == 0 and t.prefilling == 0 for t in targets.values())
+    assert stats.warmups == {"sent": 3, "failed": 2, "warmed": 1}
+
+
 async def test_closing_the_warmer_cancels_what_runs(cache_engines: CacheEngines) -> None:  # noqa: F811
     [engine] = await cache_engines.astart("vllm", ["a"])
     warmer = Warmer(Stats())
