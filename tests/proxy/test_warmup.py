@@ -221,7 +221,10 @@ def replica(url: str) -> Replica:
 async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) -> None:  # noqa: F811
     [engine] = await cache_engines.astart("vllm", ["a"])
     stats = Stats()
-    warmer = Warmer(stats, max_running=1, timeout=1.0)
+    # A short timeout for the engine that does not answer; a long one for those that do
+    # (a busy machine must not turn an answer into a timeout).
+    hung = Warmer(stats, max_running=1, timeout=1.0)
+    warmer = Warmer(stats, max_running=1, timeout=30.0)
     target = replica(engine.url)
     outcomes: list[bool] = []
     chat_line, auth = b"POST /v1/chat/completions HTTP/1.1\r\n", b"Authorization: Bearer t\r\n\r\n"
@@ -230,10 +233,10 @@ async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) 
     try:
         # An engine that does not answer within the timeout: counted on the replica as a
         # cold request in flight meanwhile, then failed; past max_running, skipped.
-        assert warmer.start(target, chat_line, auth, slow, outcomes.append)
+        assert hung.start(target, chat_line, auth, slow, outcomes.append)
         await until(lambda: target.inflight == 1 and target.prefilling == 1,
                     what="the warm-up in flight")
-        assert not warmer.start(target, chat_line, auth, body, outcomes.append)
+        assert not hung.start(target, chat_line, auth, body, outcomes.append)
         assert outcomes == [False]
         await until(lambda: len(outcomes) == 2, what="the warm-up's timeout")
         assert outcomes == [False, False] and target.inflight == 0 and target.prefilling == 0
@@ -262,6 +265,7 @@ async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) 
         assert len(await engine_log(engine.url)) == 3  # the skipped ones never went out
         assert stats.warmups == {"sent": 3, "warmed": 1, "failed": 2, "skipped": 3}
     finally:
+        await hung.aclose()
         await warmer.aclose()
 
 
@@ -306,7 +310,7 @@ async def test_a_hostile_replica_gets_no_more_than_one_request() -> None:
         runners.append(runner)
         urls[name] = f"http://{HOST}:{port}"
     stats = Stats()
-    warmer = Warmer(stats, timeout=3.0)
+    warmer = Warmer(stats, timeout=30.0)  # nothing here hangs: only the status is awaited
     outcomes: dict[str, bool] = {}
     body = json.dumps(chat(1, "q", stream=True)).encode()
     targets = {name: replica(urls[name]) for name in ("error", "redirect", "endless")}
