@@ -193,6 +193,10 @@ class LocalBackend:
         if pid in self._exit_codes:
             return describe_status(self._exit_codes[pid])
         if not processes.running(pid, handle.get("start_time")):
+            # It may have exited between the two looks (a zombie now): its status first.
+            self._reap(pid)
+            if pid in self._exit_codes:
+                return describe_status(self._exit_codes[pid])
             return f"process {pid} is gone"
         return None
 
