@@ -94,17 +94,18 @@ async def test_auto_counts_the_fleet_while_the_engine_view_names_batching_engine
     try:
         alone = margin()
         one.inflight = 3
-        await until(lambda: heard.peer_seen == 3 and margin() < alone,
+        # Two flushes (a's write, b's read, once a second each); 30 s for a loaded CI.
+        await until(lambda: heard.peer_seen == 3 and margin() < alone, timeout=30,
                     what="b to see a's count and share the margin")  # fmt: skip
         assert heard.peer_inflight == 0 and b_stats.fleet_load == 0  # no engine view: off
         await view("vllm", "unknown")  # a record of no known engine is left out
-        await until(lambda: peers(b) == {1: 3, 2: 0} and margin() == alone,
+        await until(lambda: peers(b) == {1: 3, 2: 0} and margin() == alone, timeout=30,
                     what="b to count a's requests in the bound")  # fmt: skip
         assert b"sluice_fleet_load 1.0" in render(b, b_stats, worker=0)
         one.inflight = 5
         await until(lambda: peers(b)[1] == 5, what="the channel's counts (100 ms)")
         await view("vllm", "llamacpp")
-        await until(lambda: peers(b) == {1: 0, 2: 0} and margin() < alone,
+        await until(lambda: peers(b) == {1: 0, 2: 0} and margin() < alone, timeout=30,
                     what="b to judge its own counts again")  # fmt: skip
         assert heard.peer_seen == 5  # still seen, for a spill's order
         assert b"sluice_fleet_load 0.0" in render(b, b_stats, worker=0)
