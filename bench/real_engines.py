@@ -240,8 +240,10 @@ def _answers(port: int, path: str) -> bool:
 @contextlib.contextmanager
 def router(target: str, urls: list[str], log_dir: Path,
            peers: dict[str, Path], slots: int = 0, n_proxies: int = 1,
-           sluice_args: tuple[str, ...] = ()) -> Iterator[str | list[str]]:  # fmt: skip
-    """The target's router in front of `urls`; yields its URL once it routes to all.
+           sluice_args: tuple[str, ...] = (),
+           ) -> Iterator[tuple[str | list[str], list[int]]]:  # fmt: skip
+    """The target's router in front of `urls`; yields its URL once it routes to all, and
+    the admin ports of sluice's proxies (none for a peer: `routing_counts`).
 
     sluice's `prefix` is told the servers' `slots` (what the engine view would say with
     a controller; this bench runs no controller). With `n_proxies` > 1, sluice runs that
@@ -263,7 +265,7 @@ def router(target: str, urls: list[str], log_dir: Path,
             if n_proxies <= 1:
                 proxy = proxies("--policy", target, "--log-level", "WARNING", *extra,
                                 replicas=urls)
-                yield proxy.url
+                yield proxy.url, [proxy.admin_port]
                 return
             server = EmbeddedRedis(log_dir / "redis")
             server.start()
@@ -277,7 +279,7 @@ def router(target: str, urls: list[str], log_dir: Path,
             started = [proxies("--policy", target, "--log-level", "WARNING", *extra,
                                "--redis", server.url, "--service", "svc", wait="ready")
                        for _ in range(n_proxies)]  # fmt: skip
-            yield [p.url for p in started]
+            yield [p.url for p in started], [p.admin_port for p in started]
         finally:
             proxies.close()
             if feed is not None:
@@ -309,7 +311,7 @@ def router(target: str, urls: list[str], log_dir: Path,
             return status == 200 and all(u.encode() in body for u in urls)
 
         until_sync(listed, timeout=60, what=f"{target} to list its workers", interval=0.1)
-        yield f"http://{HOST}:{port}"
+        yield f"http://{HOST}:{port}", []
     finally:
         proc.stop(timeout=5.0)
 
@@ -332,10 +334,34 @@ class Cell:
     spread: float  # max / mean requests per server
     per_server: list[int]
     first_errors: list[str]
+    # sluice only, summed over its proxies: requests routed by reason (affinity, spill,
+    # fallback) and warm-ups by outcome (--prefix-warm-copies): did the run spill at all?
+    routed: dict[str, int] = field(default_factory=dict)
+    warmups: dict[str, int] = field(default_factory=dict)
 
 
 def counters(servers: list[llama.LlamaServer]) -> list[dict[str, float]]:
     return [s.metrics() for s in servers]
+
+
+def routing_counts(admin_ports: list[int]) -> tuple[dict[str, int], dict[str, int]]:
+    """sluice's `sluice_routed_total` by reason and `sluice_prefix_warmups_total` by
+    outcome, summed over the proxies on `admin_ports` (their /metrics)."""
+    routed: dict[str, int] = {}
+    warmups: dict[str, int] = {}
+    for port in admin_ports:
+        status, body = http_get(HOST, port, "/metrics", timeout=5.0)
+        if status != 200:
+            continue
+        for line in body.decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            into = (routed if name.startswith("sluice_routed_total{") else
+                    warmups if name.startswith("sluice_prefix_warmups_total{") else None)
+            label = "reason" if into is routed else "outcome"
+            if into is not None and f'{label}="' in name:
+                key = name.split(f'{label}="', 1)[1].split('"', 1)[0]
+                into[key] = into.get(key, 0) + int(float(value))
+    return routed, warmups
 
 
 def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
@@ -347,7 +373,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
                           cache_ram=0, ctx=args.slots * args.slot_ctx)  # fmt: skip
         with router(target, [s.url for s in servers], log_dir, peers, args.slots,
                     args.proxies if target in ("prefix", "prefix_hash") else 1,
-                    tuple(shlex.split(args.sluice_args))) as url:
+                    tuple(shlex.split(args.sluice_args))) as (url, admin_ports):
             # One tiny request per server's worth, so a router's lazy setup is not timed;
             # its few tokens are subtracted (the counters are read after it).
             warm = asyncio.run(drive(url, ["warm up"], [Arrival(0.0, 0, ("hi",), ())],
@@ -358,6 +384,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
             result = asyncio.run(drive(url, families, arrivals, args.max_tokens,
                                        args.duration + 90))  # fmt: skip
             after = counters(servers)
+            routed, warmups = routing_counts(admin_ports)
     finally:
         factory.close(timeout=10.0)
 
@@ -375,7 +402,8 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
         computed=int(computed), cached=int(cached),
         hit_rate=cached / (cached + computed) if cached + computed else 0.0,
         spread=max(per_server) / statistics.fmean(per_server) if sum(per_server) else 0.0,
-        per_server=per_server, first_errors=result.errors[:3],
+        per_server=per_server, first_errors=result.errors[:3], routed=routed,
+        warmups=warmups,
     )  # fmt: skip
 
 
@@ -472,6 +500,8 @@ def main() -> int:
                 print(f"seed {seed} {target:12} {cell.requests} requests, {cell.errors} errors, "
                       f"TTFT mean {cell.ttft_mean * 1000:.0f} ms, computed {cell.computed:,}, "
                       f"hit rate {cell.hit_rate:.2f}, per server {cell.per_server}"
+                      + (f", routed {cell.routed}" if cell.routed else "")
+                      + (f", warm-ups {cell.warmups}" if cell.warmups else "")
                       + (f", errors: {cell.first_errors}" if cell.errors else ""),
                       flush=True)  # fmt: skip
     load = os.getloadavg()[0]
