@@ -405,6 +405,14 @@ class PlacementTable:
         fam.unlink(replica)
         self.placed[replica] = self.placed.get(replica, 0) + 1
 
+    def forget(self, fid: int, unused_since: float) -> None:
+        """Drop family `fid` if it was not used since `unused_since` (its shared entry
+        went to make room: proxy/sources/placement.py)."""
+        fam = self.families.get(fid)
+        if fam is not None and fam.used < unused_since:
+            del self.families[fid]
+            self._uncount(fam.primary)
+
     def _uncount(self, replica: ReplicaView) -> None:
         n = self.placed.get(replica)
         if n:

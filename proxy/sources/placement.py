@@ -61,7 +61,10 @@ request path:
   (EXPIRE ttl on every write) once no proxy writes.
 - **bounded and defensive**: the hash is capped at `max_entries` (from the
   replicas' cache capacity: 16 x the sum of their capacities, at least 256);
-  a writer skips HSETNX while the last HLEN it saw is at the cap. Entries are
+  a writer skips HSETNX while the last HLEN it saw is at the cap, and the scan
+  makes room before it: over 7/8 of the cap, the oldest entries go, down to 3/4,
+  sparing the families this proxy used in the last `ttl / 8` (`_make_room`: unique
+  prompts, each a family, would otherwise fill the hash and stop sharing). Entries are
   parsed line by line: a field that is not hex of at most 8 digits, a value
   without a finite time (not more than a minute ahead) and a URL of the current
   ready set, a message over 1 MiB: skipped and counted (`stats.placements_skipped`,
@@ -501,6 +504,39 @@ class PlacementSync:
             self.published += len(won)
             await self._client.publish(self._channel, b"\n".join(won))
 
+    def _make_room(self, table: PlacementTable,
+                   live: list[tuple[float, bytes | str, int, str, bool]],
+                   now: float) -> list[bytes | str]:
+        """The hash near its cap (over 7/8 of it): the fields of its oldest entries, down
+        to 3/4 of the cap, taken out of `live`. Spared: the families (and secondaries)
+        this proxy used in the last `ttl / 8`. Families evicted that this proxy holds and
+        has not used since then leave its table too (adopted one-offs: not counted
+        against the replicas' capacity any longer).
+
+        Without this, unique prompts (each its own family, each published) filled the
+        hash within minutes and every proxy then skipped publishing until entries expired
+        (the TTL): new families, and a session's next turn on another proxy, were decided
+        per proxy, each computing the prompt cold."""
+        cap = self.max_entries(table)
+        if self._hlen <= cap * 7 // 8:
+            return []
+        recent = now - table.ttl / 8
+        families = table.families
+        spared: list[tuple[float, bytes | str, int, str, bool]] = []
+        candidates: list[tuple[float, bytes | str, int, str, bool]] = []
+        for item in live:
+            fam = families.get(item[2])
+            used = fam is not None and (fam.secondary_used if item[4] else fam.used) >= recent
+            (spared if used else candidates).append(item)
+        candidates.sort(key=lambda item: item[0])
+        n = min(len(candidates), self._hlen - cap * 3 // 4)
+        out = [field for _, field, _, _, _ in candidates[:n]]
+        for _, _, fid, _, spill in candidates[:n]:
+            if not spill:
+                table.forget(fid, recent)
+        live[:] = spared + candidates[n:]
+        return out
+
     async def _scan(self, table: PlacementTable, now: float) -> None:
         cap = self.max_entries(table)
         async with self._client.pipeline(transaction=False) as pipe:
@@ -514,6 +550,7 @@ class PlacementSync:
         expired: list[bytes | str] = []
         refresh: dict[str, bytes] = {}
         skipped = 0
+        live: list[tuple[float, bytes | str, int, str, bool]] = []
         for field, value in list(found.items())[:cap]:
             parsed = parse_entry(field, value)
             if parsed is None:
@@ -534,7 +571,14 @@ class PlacementSync:
             if at < now - ttl:
                 expired.append(field)
                 continue
+            live.append((at, field, fid, url, spill))
+        evicted = self._make_room(table, live, now)
+        if evicted:
+            expired += evicted
+            self._hlen -= len(evicted)
+        for at, _, fid, url, spill in live:
             (spills if spill else entries).append((fid, url, at))
+            ttl = table.ttl / 4 if spill else table.ttl
             fam = table.families.get(fid)
             if at >= now - ttl / 2 or fam is None:
                 continue

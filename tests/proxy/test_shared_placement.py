@@ -461,3 +461,49 @@ async def test_hostile_spilled_turns_are_skipped_and_counted(
                                "zz 1.0 x".encode())  # fmt: skip
     await until(lambda: stats.placements_skipped == seen + 1, what="the message handled")
     assert block not in a.policy._lru  # type: ignore[attr-defined]
+
+
+# -- a hash full of one-off prompts: new families are still shared ------------------------
+
+
+async def test_a_hash_full_of_one_off_prompts_still_shares_new_families(
+    two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    # Unique prompts (no system prompt, every question new) each make a family, each
+    # published. Once the hash held `max_entries` of them, a proxy skipped publishing
+    # until entries expired (the TTL, 5 minutes): every new family, and every session's
+    # next turn on another proxy, was decided per proxy, cold on each.
+    (source_a, a, _), (_, b, _) = two
+    sync = source_a.placement
+    assert sync is not None
+    key = Keys(redis_prefix).placement("svc")
+    cap = sync.max_entries(table(a))
+    urls = [r.url for r in a.replicas]
+    # A family a uses now, placed a while ago: its entry is among the oldest.
+    kept = bodies(1, seed=181)[0]
+    home = a.choose(None, Req(kept))
+    assert home is not None
+    fid_kept = family(a, kept)
+    await until(lambda: primary_url(b, fid_kept) == home.url, what="b to learn the family")
+    now = time.time()
+    await redis_client.hset(key, f"{fid_kept:x}", f"{now - 120:.3f} {home.url}")
+    one_offs = {f"{0x10000 + i:x}": f"{now - 60 + i / 100:.3f} {urls[i % 4]}"
+                for i in range(cap + 40)}  # fmt: skip
+    await redis_client.hset(key, mapping=one_offs)  # type: ignore[arg-type]
+    # The scans make room, oldest first: the hash goes back under its cap.
+    await until(lambda: _hlen_below(redis_client, key, cap), what="room made in the hash")
+    # A new family placed on a is shared with b at once (the channel), and stored.
+    body = bodies(1, seed=182)[0]
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    fid = family(a, body)
+    await until(lambda: primary_url(b, fid) == chosen.url, what="b to learn the new family")
+    assert await redis_client.hget(key, f"{fid:x}") is not None
+    # The family a still uses kept its entry; the oldest one-offs went.
+    assert a.choose(None, Req(kept)) is home
+    assert await redis_client.hget(key, f"{fid_kept:x}") is not None
+    assert await redis_client.hget(key, f"{0x10000:x}") is None
+
+
+async def _hlen_below(client: aioredis.Redis, key: str, cap: int) -> bool:
+    return int(await client.hlen(key)) < cap  # type: ignore[misc]
