@@ -44,7 +44,7 @@ proxy/sources/placement.py for the sharing); the rest is as follows:
   full; proxies may disagree on it, the rendezvous order is the agreement.
   With shared placement it also learns (`learn`) the blocks other proxies
   announce for requests they sent to a family's spill replica.
-- **Warm copies** (`warm_copies`, off by default): a family's new copy (a secondary, or
+- **Warm copies** (`warm_copies`, on by default): a family's new copy (a secondary, or
   a third copy) is not sent the request that made it, which would compute the prompt
   cold; that request goes where the prompt is (`_held`), and the request carries
   `prewarm`, the copy and a callback (`_warm_done`), for the exchange to hand to its

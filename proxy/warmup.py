@@ -5,8 +5,9 @@ a third copy: proxy/prefix.py), the first request sent there computes the family
 whole prompt cold, and waits that long for its first token: on the simulator a cold
 1,200-token prompt takes 0.33 s where a cached one takes 0.05 s, and those cold firsts
 were the p99 of a workload whose hot family a replica could still carry
-(bench/README.md, "Warm copies"). With `warm_copies` on (`--prefix-warm-copies`, YAML
-`prefix: {warm_copies: true}`), the policy sends that request to a replica that holds
+(bench/README.md, "Warm copies"). With `warm_copies` on (the default since 2026-12-06;
+`--no-prefix-warm-copies`, YAML `prefix: {warm_copies: false}` turn it off), the policy
+sends that request to a replica that holds
 the prompt already, and the proxy sends the new replica a **warm-up** instead: the same
 body with `max_tokens` 1, not streamed. Its answer is thrown away; the engine keeps the
 prompt's KV cache (vLLM's and SGLang's prefix caches, llama.cpp's slot), so the

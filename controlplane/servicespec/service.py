@@ -157,7 +157,7 @@ class PrefixRouting(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     placement: Literal["auto", "capacity", "rendezvous"] = "auto"
     replica_families: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     placement_ttl: Annotated[float, Meta(ge=1, le=86400)] = 300.0
-    warm_copies: bool = False
+    warm_copies: bool = True
 
     def __post_init__(self) -> None:
         if self.block_bytes > self.prefix_bytes:

@@ -50,7 +50,8 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     (0: 4); `placement_ttl`: seconds a family stays placed after its last request;
     `warm_copies`: a family's new spill replica gets a one-token warm-up of its prompt
     before its overflow goes there (proxy/warmup.py), instead of a client's request
-    computing it cold.
+    computing it cold (on by default: a proxy of a release before the field was sent
+    reads a snapshot without it as on, which is what the controller meant).
     """
 
     block_bytes: int = 256
@@ -63,7 +64,7 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     placement: str = "auto"
     replica_families: int = 0
     placement_ttl: float = 300.0
-    warm_copies: bool = False
+    warm_copies: bool = True
 
     def __post_init__(self) -> None:
         if not 16 <= self.block_bytes <= self.prefix_bytes:

@@ -877,13 +877,14 @@ def test_prefix_options_reach_the_spec_and_default_without_them() -> None:
 
     spec = parse_spec(service_with(replicas=2, load_balancing_policy="prefix", sluice={
         "prefix": {"epsilon": 0.75, "session_header": "X-Conversation", "user_field": True,
-                   "spill_margin": 8, "warm_copies": True}}))
+                   "spill_margin": 8, "warm_copies": False}}))
     assert spec.prefix_options == PrefixOptions(epsilon=0.75, session_header="X-Conversation",
                                                 user_field=True, spill_margin=8,
-                                                warm_copies=True)
-    # A Sky Serve YAML has no `sluice:` key: the defaults.
+                                                warm_copies=False)
+    # A Sky Serve YAML has no `sluice:` key: the defaults (warm copies on).
     plain = parse_spec(service_with(replicas=2, load_balancing_policy="prefix"))
     assert plain.prefix_options == PrefixOptions()
+    assert plain.prefix_options.warm_copies
     assert parse_spec(service_with(replicas=2)).prefix_options is None  # another policy
     assert ServiceSpec.from_json(spec.to_json()) == spec
 

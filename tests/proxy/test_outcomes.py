@@ -27,7 +27,8 @@ from proxy.outcomes import (
     record,
 )
 from proxy.readyset import ReadySet
-from proxy.wire.snapshot import PrefixOptions, ReadyReplica, ReadySnapshot
+from proxy.wire.snapshot import ReadyReplica, ReadySnapshot
+from tests.proxy.test_prefix import cold_options
 from tests.support.harness import BASE_ARGS, metric, scrape
 from tests.support.ports import free_port
 from tests.support.processes import HOST, Process, ProxyFactory, _Factory
@@ -199,7 +200,7 @@ def publish(rs: ReadySet, policy: str, placement: str, n: int, generation: int =
     rs.apply(ReadySnapshot(service="s", generation=generation, published_at=0.0,
                            status="READY", policy=policy, active_versions=[1],
                            replicas=replicas,
-                           prefix_options=PrefixOptions(placement=placement)))  # fmt: skip
+                           prefix_options=cold_options(placement=placement)))  # fmt: skip
 
 
 def predicted(rs: ReadySet, body: bytes) -> str:

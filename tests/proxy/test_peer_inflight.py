@@ -22,7 +22,7 @@ from proxy.stats import Stats
 from proxy.wire.engines import EngineStats
 from proxy.wire.keys import Keys
 from proxy.wire.snapshot import PrefixOptions
-from tests.proxy.test_prefix import URLS, Req, bodies, snapshot
+from tests.proxy.test_prefix import URLS, Req, bodies, cold_options, snapshot
 from tests.support.builders import registered, replica
 from tests.support.poll import until
 
@@ -186,7 +186,7 @@ def test_a_margin_split_among_many_proxies_is_at_least_one() -> None:
     policy = ready.policy
     policy.set_proxies(MAX_PEERS + 1)  # type: ignore[attr-defined]
     assert policy.spill_margin == 1  # type: ignore[attr-defined]
-    off = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(spill_margin=0))
+    off = ReadySet(policy_override="prefix", prefix_options=cold_options(spill_margin=0))
     off.apply(snapshot(1, *URLS[:4]))
     off.policy.set_proxies(4)  # type: ignore[attr-defined]
     assert off.policy.spill_margin == 0  # type: ignore[attr-defined]  # still no margin
@@ -256,7 +256,7 @@ def test_a_family_is_not_spilled_for_this_proxys_small_share(placement: str) -> 
     its own counts the bound is ceil(2 x 2 / 4) = 1, so the family's next request
     would spill to a cold replica. The fleet holds 9 (8 through the other proxies,
     2 of them on that replica): bound ceil(2 x 10 / 4) = 5, load 3: it stays."""
-    ready, body, first = _known_family(PrefixOptions(epsilon=1.0, placement=placement))
+    ready, body, first = _known_family(cold_options(epsilon=1.0, placement=placement))
     first.inflight = 1
     for r in ready.replicas:
         r.peer_inflight = 2
@@ -271,7 +271,7 @@ def test_a_replica_the_other_proxies_filled_is_over_the_bound(placement: str) ->
     """This proxy sees the family's replica idle, but the other proxies hold 12 there
     (bound ceil(2 x 13 / 4) = 7): the family spills; the others' requests end, it is
     back."""
-    ready, body, first = _known_family(PrefixOptions(epsilon=1.0, placement=placement))
+    ready, body, first = _known_family(cold_options(epsilon=1.0, placement=placement))
     first.peer_inflight = 12
     moved = ready.choose(None, Req(body))
     assert moved is not None and moved is not first
@@ -285,7 +285,7 @@ def test_a_new_prefix_is_judged_on_this_proxys_own_live_counts(placement: str) -
     in-flight hash's `peer_seen` always): a new family (or a unique prompt) is placed as
     if they were not there, or every proxy would herd onto the replica that
     looked idle a second ago (on the simulator: +16-47 % TTFT on unique prompts)."""
-    options = PrefixOptions(placement=placement)
+    options = cold_options(placement=placement)
     body = bodies(1, seed=9)[0]
     quiet = ReadySet()
     quiet.apply(snapshot(1, *URLS[:4], options=options))

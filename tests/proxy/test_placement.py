@@ -22,10 +22,10 @@ from proxy.server import STREAM_SWEEP_EVERY, ServerContext
 from proxy.stats import Stats
 from proxy.wire.engines import EngineStats
 from proxy.wire.snapshot import PrefixOptions, ReadySnapshot
-from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat
+from tests.proxy.test_prefix import LONG, RDV, URLS, Req, bodies, chat, cold_options
 from tests.proxy.test_prefix import snapshot as prefix_snapshot
 
-CAP = PrefixOptions(placement="capacity")
+CAP = cold_options(placement="capacity")
 
 
 def snapshot(gen: int, *urls: str, options: PrefixOptions = CAP) -> ReadySnapshot:
@@ -67,7 +67,7 @@ def test_families_fill_every_replica_to_its_slots_where_rendezvous_piles_them_up
 
 def test_capacity_from_the_engine_beats_the_configured_default() -> None:
     ready = ReadySet()
-    one_each = PrefixOptions(replica_families=1, placement="capacity")
+    one_each = cold_options(replica_families=1, placement="capacity")
     ready.apply(snapshot(1, *URLS[:2], options=one_each))
     by_url = {r.url: r for r in ready.replicas}
     by_url[URLS[0]].engine = EngineStats(url=URLS[0], slots=3)  # type: ignore[attr-defined]
@@ -133,7 +133,7 @@ def spilled_family(seed: int = 41, *, answered: bool = True
     of 6 over 4: bound ceil(1.5 x 7 / 4) = 3) and its next request spilled (`answered`:
     its first byte came): (ready set, body, home, spill replica, the family's entry)."""
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=0.5, placement="capacity")))
     body = bodies(1, seed=seed)[0]
     home = ready.choose(None, Req(body))
     assert isinstance(home, Replica)
@@ -186,7 +186,7 @@ def test_a_familys_overflow_goes_where_the_fleet_is_least_loaded() -> None:
     # adopt, so it is ordered by the fleet's load as the in-flight hash showed it (a
     # second old, `peer_seen`) plus this proxy's live counts.
     _, body, home, spill, _ = spilled_family()  # where this proxy's counts alone send it
-    options = PrefixOptions(epsilon=0.5, placement="capacity")
+    options = cold_options(epsilon=0.5, placement="capacity")
     ready = ReadySet()
     ready.apply(snapshot(1, *URLS[:4], options=options))
     by_url = {r.url: r for r in ready.replicas}
@@ -316,7 +316,7 @@ def test_a_family_routed_on_its_known_prefixes_stays_placed() -> None:
     # returned before the placement was asked: the family's entry aged as if unused, was
     # dropped after the TTL (its replica's capacity counted free) and placed anew.
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement="capacity",
                                                              placement_ttl=10.0)))
     table = ready.policy.placement  # type: ignore[attr-defined]
     body = bodies(1, seed=43)[0]
@@ -392,7 +392,7 @@ def test_placement_options_are_checked() -> None:
 
 def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="capacity")))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=0.5, placement="capacity")))
     table = ready.policy.placement  # type: ignore[attr-defined]
     table.refresh(1000.0)  # ttl 300: a secondary lives 75 s
     body = bodies(1, seed=71)[0]
@@ -422,7 +422,7 @@ def test_spills_are_queued_and_shared_ones_adopted_within_their_bounds() -> None
     assert fam.secondary is fourth and fam.secondary_used == 1000.0  # used here since
     # The shared secondary left the set: dropped, and an entry naming it is not followed.
     ready.apply(snapshot(2, *[r.url for r in ready.replicas if r is not fourth],
-                         options=PrefixOptions(epsilon=0.5, placement="capacity")))
+                         options=cold_options(epsilon=0.5, placement="capacity")))
     assert fam.secondary is None
     assert table.adopt_spills([(fid, fourth.url, 999.0)]) == 1 and fam.secondary is None
 
@@ -431,7 +431,7 @@ def turn_fleet() -> tuple[ReadySet, Any, PlacementTable]:
     """4 replicas at epsilon 1.0 with placement, the table's clock at 1000: (ready set,
     policy, table)."""
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0, placement="capacity")))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=1.0, placement="capacity")))
     table = ready.policy.placement  # type: ignore[attr-defined]
     table.refresh(1000.0)
     return ready, ready.policy, table

@@ -25,7 +25,15 @@ from tests.support.harness import BASE_ARGS, metric, replica_stats, scrape
 from tests.support.processes import ProxyFactory, ReplicaFactory
 from tests.support.rawhttp import connect
 
-OPTS = PrefixOptions()
+
+def cold_options(**fields: Any) -> PrefixOptions:
+    """Options without warm-ups (`warm_copies`, on by default): these tests are about
+    where requests go, a new copy of a family taking its first request cold (as with a
+    body still arriving); tests/proxy/test_warmup.py has the warm-ups."""
+    return PrefixOptions(warm_copies=False, **fields)
+
+
+OPTS = cold_options()
 BLOCK = OPTS.block_bytes
 
 
@@ -121,7 +129,7 @@ def test_bodies_without_a_prompt_have_no_key(body: bytes) -> None:
 
 
 def test_only_the_first_prefix_bytes_are_read() -> None:
-    options = PrefixOptions(prefix_bytes=1024)
+    options = cold_options(prefix_bytes=1024)
     late = json.dumps({"tools": "t" * 2000, "messages": [{"content": LONG}]}).encode()
     assert key(late, options=options) == ()
     early = chat(LONG * 4, "q")
@@ -134,7 +142,7 @@ def test_session_header_and_user_field_keys() -> None:
     assert by_header == key(chat("other", "other"), [(b"x-session-id", b"abc")])
     assert len(by_header) == 1 and by_header != key(body, [(b"X-Session-Id", b"abd")])
     assert key(body, [(b"X-Session-Id", b"")]) == key(body)  # empty: no session
-    with_user = PrefixOptions(user_field=True)
+    with_user = cold_options(user_field=True)
     body_u = json.dumps({"user": "u-1", "messages": [{"role": "user", "content": LONG}]})
     assert key(body_u.encode(), options=with_user) == key(b'{"user":"u-1"}', options=with_user)
     # "role": "user" is a value, not the field: the prompt chain is the key then.
@@ -171,7 +179,7 @@ def snapshot(gen: int, *urls: str, options: PrefixOptions | None = None) -> Read
 
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 6)]
-RDV = PrefixOptions(placement="rendezvous")  # the hash alone: what these tests are about
+RDV = cold_options(placement="rendezvous")  # the hash alone: what these tests are about
 
 
 def bodies(n: int, seed: int = 7) -> list[bytes]:
@@ -225,7 +233,7 @@ def test_set_changes_move_only_the_affected_keys() -> None:
     """The rendezvous choice (the LRU off: it would keep every key it saw in place)."""
     ready = ReadySet()
     payloads = bodies(4000, seed=3)
-    no_lru = PrefixOptions(lru_size=0, placement="rendezvous")
+    no_lru = cold_options(lru_size=0, placement="rendezvous")
     ready.apply(snapshot(1, *URLS[:4], options=no_lru))
     before = choices(ready, payloads)
     ready.apply(snapshot(2, *URLS[:5], options=no_lru))  # one replica joins
@@ -255,7 +263,7 @@ def test_with_the_lru_a_joining_replica_takes_only_new_prefixes() -> None:
 
 def test_bounded_load_spills_to_the_next_in_rendezvous_order() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5, placement="rendezvous")))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=0.5, placement="rendezvous")))
     body = bodies(1)[0]
     first = ready.choose(None, Req(body))
     assert first is not None
@@ -280,7 +288,7 @@ def rank(ready: ReadySet, body: bytes) -> list[object]:
     """The rendezvous order for `body` (no LRU, idle replicas)."""
     fresh = ReadySet()
     assert ready.snapshot is not None
-    options = PrefixOptions(lru_size=0, placement="rendezvous")
+    options = cold_options(lru_size=0, placement="rendezvous")
     fresh.apply(msgspec.structs.replace(ready.snapshot, prefix_options=options))
     order: list[object] = []
     while len(order) < len(ready.replicas):
@@ -329,7 +337,7 @@ def test_next_turn_follows_the_longest_known_prefix() -> None:
     ready = ReadySet()
     # epsilon 1: a bound below the 4 replicas' total (at the default 3, (1 + 3) x the mean
     # of 4 is everything in flight, and a known family's replica is never skipped).
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=1.0)))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=1.0)))
     turn1 = chat(LONG, "First question, long enough to fill a block or two. " * 6)
     first = ready.choose(None, Req(turn1))
     assert first is not None
@@ -352,12 +360,12 @@ def test_next_turn_follows_the_longest_known_prefix() -> None:
 
 def test_options_come_from_the_snapshot_unless_overridden() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=3.0)))
+    ready.apply(snapshot(1, *URLS[:2], options=cold_options(epsilon=3.0)))
     assert ready.policy.options.epsilon == 3.0  # type: ignore[attr-defined]
     ready.apply(snapshot(2, *URLS[:2]))
     assert ready.policy.options == PrefixOptions()  # type: ignore[attr-defined]
-    pinned = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(epsilon=0.1))
-    pinned.apply(snapshot(1, *URLS[:2], options=PrefixOptions(epsilon=2.0)))
+    pinned = ReadySet(policy_override="prefix", prefix_options=cold_options(epsilon=0.1))
+    pinned.apply(snapshot(1, *URLS[:2], options=cold_options(epsilon=2.0)))
     assert pinned.policy.options.epsilon == 0.1  # type: ignore[attr-defined]
 
 
@@ -457,7 +465,7 @@ async def test_end_to_end_body_arriving_after_the_head_is_routed_on(
 
 def test_a_known_prefix_spills_where_it_spilled_before() -> None:
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=0.5)))
     body = bodies(1, seed=21)[0]
     by_url = {r.url: r for r in ready.replicas}
     a, b, c, d = (by_url[u] for u in rank(ready, body))  # type: ignore[index]
@@ -477,7 +485,7 @@ def test_a_known_prefix_leaves_a_replica_spill_margin_above_the_mean(placement: 
     # in flight): the margin does. Its family's replica alone loaded, holding L requests:
     # skipped once L >= ceil((L + 1) / 4) + 8, so at 11 (3 + 8), not at 10 (3 + 8 > 10).
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement=placement)))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement=placement)))
     body = bodies(1, seed=31)[0]
     top = ready.choose(None, Req(body))
     assert top is not None
@@ -495,7 +503,7 @@ def test_a_known_prefix_leaves_a_replica_spill_margin_above_the_mean(placement: 
     assert ready.choose(None, Req(body)) is top
     # spill_margin 0: no such bound; epsilon 3 alone keeps the family at any load.
     off = ReadySet()
-    off.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement=placement,
+    off.apply(snapshot(1, *URLS[:4], options=cold_options(placement=placement,
                                                              spill_margin=0)))
     first = off.choose(None, Req(body))
     assert first is not None
@@ -507,7 +515,7 @@ def test_the_spill_margin_grows_to_twice_as_placed_families_fill_the_caches() ->
     # 4 replicas holding 2 families each (capacity 8). A spill into a full cache evicts
     # another family: the margin goes from 8 (empty) to 16 (8 families placed).
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement="capacity",
                                                              replica_families=2)))
     policy = ready.policy
     table = policy.placement  # type: ignore[attr-defined]
@@ -546,7 +554,7 @@ def test_a_hot_family_shares_its_load_with_its_warm_secondary(proxies: int) -> N
     # whichever of the two holds fewer, as soon as the primary is above the mean: each
     # proxy balancing its own share balances the fleet's.
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement="capacity",
                                                              replica_families=13)))
     policy = ready.policy
     table = policy.placement  # type: ignore[attr-defined]
@@ -616,7 +624,7 @@ def warm_secondary() -> tuple[ReadySet, bytes, Any, list[Any]]:
     the ready set, the family's body, its placement entry and the replicas (primary,
     secondary, the other two)."""
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(placement="capacity",
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement="capacity",
                                                              replica_families=13)))
     table = ready.policy.placement  # type: ignore[attr-defined]
     hot = bodies(1, seed=41)[0]
@@ -697,7 +705,7 @@ def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> Non
     # A third copy that leaves the set is forgotten; one becoming the secondary stops
     # being the third.
     ready.apply(snapshot(2, *[r.url for r in ready.replicas if r is not idle],
-                         options=PrefixOptions(placement="capacity", replica_families=13)))
+                         options=cold_options(placement="capacity", replica_families=13)))
     assert fam.third is None
     fam.third = busy
     fam.replace_secondary(busy)
@@ -730,8 +738,9 @@ def test_prefix_flags_build_the_options_and_bad_ones_are_refused() -> None:
     assert _prefix_options({"prefix_epsilon": 0.5, "prefix_session_header": ""}) == \
         PrefixOptions(epsilon=0.5, session_header="")
     assert _prefix_options({"prefix_spill_margin": 0}) == PrefixOptions(spill_margin=0)
-    assert _prefix_options({"prefix_warm_copies": True}) == PrefixOptions(warm_copies=True)
-    assert _prefix_options({"prefix_warm_copies": False}) == PrefixOptions()
+    # On by default: off is the option given.
+    assert _prefix_options({"prefix_warm_copies": True}) == PrefixOptions()
+    assert _prefix_options({"prefix_warm_copies": False}) == cold_options()
     result = CliRunner().invoke(proxy_command, [
         "--replicas", "http://127.0.0.1:1", "--policy", "prefix",
         "--prefix-block-bytes", "4096", "--prefix-bytes", "1024"])
@@ -799,7 +808,7 @@ def test_the_bound_counts_the_engine_queue_other_proxies_filled() -> None:
     first choice this proxy sees idle, but whose engine queues what other proxies sent,
     is over the bound (and the mean counts the queues too)."""
     ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=PrefixOptions(epsilon=0.5)))
+    ready.apply(snapshot(1, *URLS[:4], options=cold_options(epsilon=0.5)))
     body = bodies(1, seed=11)[0]
     first = ready.choose(None, Req(body))
     assert first is not None

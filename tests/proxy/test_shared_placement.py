@@ -25,8 +25,7 @@ from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
 from proxy.wire.keys import Keys
-from proxy.wire.snapshot import PrefixOptions
-from tests.proxy.test_prefix import LONG, Req, bodies, chat
+from tests.proxy.test_prefix import LONG, Req, bodies, chat, cold_options
 from tests.support.builders import registered, replica
 from tests.support.poll import until
 
@@ -38,7 +37,7 @@ async def start_proxy(url: str, prefix: str) -> Proxy:
     # epsilon 1: (1 + 1) x the mean of 4 replicas is a bound these tests can load a replica
     # past; at the default 3 it is everything in flight, and a known family never spills.
     stats = Stats()
-    ready_set = ReadySet(policy_override="prefix", prefix_options=PrefixOptions(epsilon=1.0))
+    ready_set = ReadySet(policy_override="prefix", prefix_options=cold_options(epsilon=1.0))
     source = RedisSource(config, stats, flush_interval=0.1, backoff_max=0.1)
     await source.start(ready_set)
     await until(lambda: len(ready_set.replicas) == 4, what="the proxy to load the set")

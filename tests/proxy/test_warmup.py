@@ -110,7 +110,7 @@ def test_the_warm_up_goes_to_the_replicas_own_scheme_host_and_path() -> None:
 
 # -- the policy -----------------------------------------------------------------------------
 
-WARM = PrefixOptions(epsilon=0.5, placement="capacity", warm_copies=True)
+WARM = PrefixOptions(epsilon=0.5, placement="capacity")  # warm_copies: on by default
 
 
 def saturated(options: PrefixOptions) -> tuple[ReadySet, bytes, Any, Any]:
@@ -140,7 +140,8 @@ def test_a_new_secondary_is_warmed_up_and_takes_no_cold_request() -> None:
     warm = Req(body)
     assert ready.choose(None, warm) is spill and not warm.cold and warm.prewarm is None
     # Without the option the request that makes the copy computes the prompt there.
-    ready, body, home, fam = saturated(PrefixOptions(epsilon=0.5, placement="capacity"))
+    ready, body, home, fam = saturated(PrefixOptions(epsilon=0.5, placement="capacity",
+                                                     warm_copies=False))
     cold = Req(body)
     spill = ready.choose(None, cold)
     assert spill is not home and cold.cold and cold.warms is fam and cold.prewarm is None
@@ -354,8 +355,8 @@ async def test_a_hot_familys_second_replica_serves_no_cold_request(
     by_id = {e.id: e for e in engines}
     args = [*BASE_ARGS, "--policy", "prefix", "--prefix-placement", "capacity",
             "--prefix-epsilon", "0.5", "--prefix-spill-margin", "1"]
-    if warm:
-        args.append("--prefix-warm-copies")
+    if not warm:  # on by default
+        args.append("--no-prefix-warm-copies")
     proxy = await proxy_factory.astart(*args, replicas=[e.url for e in engines])
     url = f"{proxy.url}/v1/chat/completions"
     async with aiohttp.ClientSession() as http:
