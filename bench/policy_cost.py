@@ -29,6 +29,8 @@ class Req:
         self.outcome: list[int] | None = None
         self.cold = False
         self.warms: object = None
+        self.body_done = True  # the whole body is here (warm copies may use it)
+        self.prewarm: object = None
 
 
 def run(policy: str, bodies: list[bytes], n: int = 20000) -> float:
