@@ -18,12 +18,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.records import ReplicaRecord, ServiceRecord
+from controlplane.states import ReplicaStatus, ServiceStatus
+from controlplane.store import Store
 from proxy.readyset import ReadySet
 from proxy.replica import Replica
 from proxy.stats import Stats
 from proxy.warmup import Warmer, warm_body, warm_headers, warm_path, warm_url
 from proxy.wire.snapshot import PrefixOptions, ReadyReplica
-from tests.proxy.test_outcomes import CacheEngines, cache_engines, chat  # noqa: F401
+from tests.proxy.test_outcomes import CacheEngine, CacheEngines, cache_engines, chat  # noqa: F401
 from tests.proxy.test_prefix import URLS, Req, bodies, key, snapshot
 from tests.support.harness import BASE_ARGS, metric, scrape
 from tests.support.poll import until
@@ -409,3 +412,81 @@ async def _warmed(url: str) -> dict[str, Any] | None:
 
 async def _metric(admin_url: str, outcome: str) -> bool:
     return metric(await scrape(admin_url), "sluice_prefix_warmups_total", outcome=outcome) > 0
+
+
+# -- replicas come and go under long streams and warm-ups --------------------------------------
+
+
+async def test_long_streams_and_a_warm_up_in_flight_survive_its_replica_leaving(
+    cache_engines: CacheEngines, proxy_factory: ProxyFactory,  # noqa: F811
+    redis_url: str, redis_prefix: str,
+) -> None:  # fmt: skip
+    """Warm copies on (the default), a proxy on Redis, three engine processes. A hot
+    family's streams of ~20 s make a copy, whose replica is taken out of the set while
+    its warm-up is in flight. Every stream ends whole, later requests never go to the
+    replica that left, the warm-up is counted as answered or failed, and every in-flight
+    count comes back to 0."""
+    engines = await cache_engines.astart("vllm", ["a", "b", "c"])
+    by_id = {e.id: e for e in engines}
+    async with Store.from_url(redis_url, prefix=redis_prefix) as store:
+        await store.register_service(ServiceRecord(name="svc", status=ServiceStatus.READY),
+                                     b"{}")  # fmt: skip
+        await store.commit("svc", replica_updates=[
+            ReplicaRecord(id=n, status=ReplicaStatus.READY, url=e.url)
+            for n, e in enumerate(engines, 1)])  # fmt: skip
+        proxy = await proxy_factory.astart(
+            *BASE_ARGS, "--redis", redis_url, "--redis-prefix", redis_prefix,
+            "--service", "svc", "--policy", "prefix", "--prefix-epsilon", "0.5",
+            "--prefix-spill-margin", "1", wait="ready")  # fmt: skip
+        url = f"{proxy.url}/v1/chat/completions"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+            async def stream(question: str, **extra: Any) -> tuple[int, str, str]:
+                body = chat(7, question, stream=True, **extra)
+                async with http.post(url, json=body) as resp:
+                    return resp.status, resp.headers.get("X-Replica-Id", ""), await resp.text()
+
+            # 20 pieces 1 s apart: each stream lasts ~20 s. The warm-ups carry the body's
+            # `delay`: 2 s in flight each.
+            long = [asyncio.create_task(stream(f"long {i}", pieces=20, pace=1.0, delay=2))
+                    for i in range(4)]  # fmt: skip
+            try:
+                async def warmed_one() -> CacheEngine | None:
+                    for engine in engines:
+                        if await _warmed(engine.url):
+                            return engine
+                    return None
+
+                gone = await until(warmed_one, timeout=30, what="a warm-up sent")
+                # Out of the set while its warm-up runs (and perhaps a stream on it).
+                n = next(i for i, e in enumerate(engines, 1) if e is gone)
+                await store.commit("svc", replica_updates=[
+                    ReplicaRecord(id=n, status=ReplicaStatus.SHUTTING_DOWN, url=gone.url)])
+                await until(lambda: _ready(proxy.admin_url, 2), what="the proxy to drop it")
+                later = [await stream(f"later {i}") for i in range(6)]
+                assert all(status == 200 for status, _, _ in later), later
+                assert gone.id not in {rid for _, rid, _ in later}
+                done = await asyncio.gather(*long)
+            finally:
+                for task in long:
+                    task.cancel()
+                await asyncio.gather(*long, return_exceptions=True)
+    for status, rid, text in done:
+        assert status == 200 and rid in by_id
+        assert text.count('"content"') == 22 and text.rstrip().endswith("data: [DONE]")
+    samples = await until(lambda: _settled(proxy.admin_url), timeout=30,
+                          what="every warm-up ended and every count back to 0")
+    assert metric(samples, "sluice_prefix_warmups_total", outcome="sent") >= 1
+
+
+async def _ready(admin_url: str, n: int) -> bool:
+    return metric(await scrape(admin_url), "sluice_ready_replicas") == n
+
+
+async def _settled(admin_url: str) -> Any:
+    samples = await scrape(admin_url)
+    sent = metric(samples, "sluice_prefix_warmups_total", outcome="sent")
+    ended = sum(metric(samples, "sluice_prefix_warmups_total", outcome=o)
+                for o in ("warmed", "failed"))
+    inflight = [s for s in samples if s[0] == "sluice_replica_inflight"]
+    return samples if sent == ended and all(s[2] == 0 for s in inflight) else None

@@ -13,7 +13,9 @@ each). Reported as the engines do:
   stream only in the usage event sent when the client asked for
   ``stream_options.include_usage`` (vllm/entrypoints/openai/serving_chat.py).
 
-``"delay": S`` in a request holds its answer S seconds (at most 60), so a test can keep
+``"pieces": N, "pace": S`` make a stream N events longer, S seconds apart (at most 600
+and 5 s): a stream of tens of seconds. ``"delay": S`` in a request holds its answer S
+seconds (at most 60), so a test can keep
 requests in flight. ``GET /requests`` lists what the last 256 requests asked and got:
 ``max_tokens``, ``stream``, their ``X-Sluice-Warmup``, ``Authorization`` and
 ``X-Real-IP`` headers and the ``tokens`` and ``cached`` tokens reported. ``POST /flush``
@@ -85,6 +87,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     fmt = app[FORMAT]
     headers = {"X-Replica-Id": app[ID]}
     text = [f"answer from {app[ID]}", "."]
+    pieces = body.get("pieces")  # a long stream: this many more events, `pace` s apart
+    if isinstance(pieces, int) and 0 < pieces <= 600:
+        text[1:1] = [f" {i}" for i in range(pieces)]
+    pace = body.get("pace")
+    pace = min(float(pace), 5.0) if isinstance(pace, (int, float)) and pace > 0 else 0.0
     if not body.get("stream"):
         out: dict[str, Any] = {"id": "x", "object": "chat.completion", "choices": [
             {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
@@ -103,6 +110,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         if fmt == "llama" and i == len(text) - 1:
             event.update(_report(fmt, tokens, cached))  # llama.cpp: in the last event
         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        if pace and i < len(text) - 1:
+            await asyncio.sleep(pace)
     if fmt == "vllm" and (body.get("stream_options") or {}).get("include_usage"):
         usage = {"id": "x", "object": "chat.completion.chunk", "choices": [],
                  **_report(fmt, tokens, cached)}  # fmt: skip
