@@ -50,8 +50,10 @@ class PrefixOptions(msgspec.Struct, frozen=True, kw_only=True):
     (0: 4); `placement_ttl`: seconds a family stays placed after its last request;
     `warm_copies`: a family's new spill replica gets a one-token warm-up of its prompt
     before its overflow goes there (proxy/warmup.py), instead of a client's request
-    computing it cold (on by default: a proxy of a release before the field was sent
-    reads a snapshot without it as on, which is what the controller meant).
+    computing it cold. On by default since 2026-12-06. Every field is encoded: a
+    controller of the release before writes it false (off until it is upgraded; a
+    stored spec with a `sluice.prefix` section keeps the value it was stored with), and
+    a snapshot without the field reads as on.
     """
 
     block_bytes: int = 256
