@@ -437,7 +437,10 @@ async def test_long_streams_and_a_warm_up_in_flight_survive_its_replica_leaving(
         proxy = await proxy_factory.astart(
             *BASE_ARGS, "--redis", redis_url, "--redis-prefix", redis_prefix,
             "--service", "svc", "--policy", "prefix", "--prefix-epsilon", "0.5",
-            "--prefix-spill-margin", "1", wait="ready")  # fmt: skip
+            "--prefix-spill-margin", "1",
+            # Placed by capacity from the first request: `auto` turns that on at the shared
+            # placement's first tick, which on a loaded machine came after these requests.
+            "--prefix-placement", "capacity", wait="ready")  # fmt: skip
         url = f"{proxy.url}/v1/chat/completions"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
 
