@@ -33,10 +33,10 @@ class ProxyConfig:
     prefix_options: PrefixOptions | None = None  # None: the snapshot's (or the defaults)
     engine_load: bool = False  # least_load/p2c/prefix also count the engines' queues (Redis source)
     # prefix: a known family's load bound also counts the other proxies' in-flight
-    # requests, as they announce them (Redis source): "on", "off", or "auto" (on while
-    # the engine view shows batching engines only: proxy/sources/redis.py, fleet_wanted;
-    # not the default yet: bench/README.md, "`--fleet-load auto`").
-    fleet_load: str = "off"
+    # requests, as they announce them (Redis source): "on", "off", or "auto" (the
+    # default: on while the engine view shows batching engines only, proxy/sources/redis.py,
+    # fleet_wanted; bench/README.md, "`--fleet-load auto` by default").
+    fleet_load: str = "auto"
     # Pools and deadlines.
     pool_size: int = 256
     pool_grace: float = 30.0

@@ -159,7 +159,7 @@ def test_auto_wants_the_fleets_counts_for_batching_engines_only(
 
 
 @pytest.mark.parametrize(("args", "want"), [
-    ([], "off"),
+    ([], "auto"),
     (["--fleet-load"], "on"),  # bare, as in earlier releases
     (["--fleet-load", "off"], "off"),
     (["--no-fleet-load"], "off"),
