@@ -338,30 +338,37 @@ class Cell:
     # fallback) and warm-ups by outcome (--prefix-warm-copies): did the run spill at all?
     routed: dict[str, int] = field(default_factory=dict)
     warmups: dict[str, int] = field(default_factory=dict)
+    fleet_load: int = 0  # proxies counting the fleet's loads at the end (sluice_fleet_load)
 
 
 def counters(servers: list[llama.LlamaServer]) -> list[dict[str, float]]:
     return [s.metrics() for s in servers]
 
 
-def routing_counts(admin_ports: list[int]) -> tuple[dict[str, int], dict[str, int]]:
+def routing_counts(admin_ports: list[int]) -> tuple[dict[str, int], dict[str, int], int]:
     """sluice's `sluice_routed_total` by reason and `sluice_prefix_warmups_total` by
-    outcome, summed over the proxies on `admin_ports` (their /metrics)."""
+    outcome, summed over the proxies on `admin_ports` (their /metrics), and how many of
+    them count the fleet's loads at the end (`sluice_fleet_load` 1: `--fleet-load auto`
+    turns it off on llama.cpp servers)."""
     routed: dict[str, int] = {}
     warmups: dict[str, int] = {}
+    fleet = 0
     for port in admin_ports:
         status, body = http_get(HOST, port, "/metrics", timeout=5.0)
         if status != 200:
             continue
         for line in body.decode().splitlines():
             name, _, value = line.rpartition(" ")
+            if name == "sluice_fleet_load":
+                fleet += int(float(value))
+                continue
             into = (routed if name.startswith("sluice_routed_total{") else
                     warmups if name.startswith("sluice_prefix_warmups_total{") else None)
             label = "reason" if into is routed else "outcome"
             if into is not None and f'{label}="' in name:
                 key = name.split(f'{label}="', 1)[1].split('"', 1)[0]
                 into[key] = into.get(key, 0) + int(float(value))
-    return routed, warmups
+    return routed, warmups, fleet
 
 
 def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
@@ -384,7 +391,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
             result = asyncio.run(drive(url, families, arrivals, args.max_tokens,
                                        args.duration + 90))  # fmt: skip
             after = counters(servers)
-            routed, warmups = routing_counts(admin_ports)
+            routed, warmups, fleet = routing_counts(admin_ports)
     finally:
         factory.close(timeout=10.0)
 
@@ -403,7 +410,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
         hit_rate=cached / (cached + computed) if cached + computed else 0.0,
         spread=max(per_server) / statistics.fmean(per_server) if sum(per_server) else 0.0,
         per_server=per_server, first_errors=result.errors[:3], routed=routed,
-        warmups=warmups,
+        warmups=warmups, fleet_load=fleet,
     )  # fmt: skip
 
 
@@ -502,6 +509,7 @@ def main() -> int:
                       f"hit rate {cell.hit_rate:.2f}, per server {cell.per_server}"
                       + (f", routed {cell.routed}" if cell.routed else "")
                       + (f", warm-ups {cell.warmups}" if cell.warmups else "")
+                      + (f", fleet load on in {cell.fleet_load}" if cell.routed else "")
                       + (f", errors: {cell.first_errors}" if cell.errors else ""),
                       flush=True)  # fmt: skip
     load = os.getloadavg()[0]
