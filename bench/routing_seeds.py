@@ -37,6 +37,19 @@ PEERS = ("sglang-ca1", "smg-ca", "smg-ca-nop", "vllm-ca")
 X1, X4 = "sluice-prefix-redis", "sluice-prefix-redis-x4"
 
 
+def tokens_note(s: dict, peers: list[dict]) -> str:
+    """For a miss: the prompt tokens `s` computed against the fewest of the peers that
+    report theirs ("" when either does not)."""
+    counts = [p["computed"] for p in peers if "computed" in p]
+    if "computed" not in s or not counts:
+        return ""
+    fewest = min(counts)
+    note = f"; prompt tokens {s['computed']:,} vs the peers' fewest {fewest:,}"
+    if s["computed"] <= fewest:
+        note += " (no more: no cache lost; the gap is in spreading load, or the run's spread)"
+    return note
+
+
 def goals(w: str, per_seed: dict[int, dict[str, dict]]) -> list[str]:
     out = []
     for seed, per in sorted(per_seed.items()):
@@ -56,7 +69,6 @@ def goals(w: str, per_seed: dict[int, dict[str, dict]]) -> list[str]:
             best_mean = min(p["ttft_mean"] for p in peers)
             best_p99 = min(p["ttft_p99"] for p in peers)
             best_hit = max(p["hit_rate"] for p in peers)
-            fewest = min(p.get("computed", 0) for p in peers)
             for t in (X1, X4):
                 if t not in per:
                     continue
@@ -68,12 +80,8 @@ def goals(w: str, per_seed: dict[int, dict[str, dict]]) -> list[str]:
                 notes.append(f"{t}: mean {s['ttft_mean']:.3f} vs {best_mean:.3f}, p99 "
                              f"{s['ttft_p99']:.3f} vs {best_p99:.3f}, hit "
                              f"{100 * s['hit_rate']:.1f} vs {100 * best_hit:.1f}: "
-                             + ("met" if not fails else "not met (" + ", ".join(fails) + ")")
-                             + ("" if not fails or "computed" not in s else
-                                f"; prompt tokens {s['computed']:,} vs the peers' fewest "
-                                f"{fewest:,}" + (" (no more: no cache lost; the gap is "
-                                                 "in spreading load, or the run's spread)"
-                                                 if s["computed"] <= fewest else "")))
+                             + ("met" if not fails else "not met (" + ", ".join(fails) + ")"
+                                + tokens_note(s, peers)))
         if X1 in per and X4 in per:
             a, b = per[X1], per[X4]
             dm = b["ttft_mean"] / a["ttft_mean"] - 1
