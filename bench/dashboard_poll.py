@@ -41,6 +41,7 @@ from controlplane.servicespec import parse_spec  # noqa: E402
 from controlplane.states import ReplicaStatus  # noqa: E402
 from controlplane.store import Store  # noqa: E402
 from proxy.wire.telemetry import InflightEntry, ProxyHeartbeat  # noqa: E402
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 
 
@@ -123,6 +124,7 @@ async def run(args: argparse.Namespace, url: str) -> None:
 
 
 def main() -> None:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",")]
 

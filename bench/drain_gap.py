@@ -45,6 +45,7 @@ from controlplane import ops  # noqa: E402
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from controlplane.servicespec import ServiceSpec, parse_spec  # noqa: E402
 from controlplane.store import Store  # noqa: E402
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 NAME = "llm"
@@ -243,6 +244,7 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> list[str]:
 
 
 def main() -> int:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=30)
     p.add_argument("--stream-seconds", type=float, default=20.0)

@@ -56,6 +56,7 @@ from proxy.readyset import ReadySet  # noqa: E402
 from proxy.sources.redis import RedisSource  # noqa: E402
 from proxy.stats import Stats  # noqa: E402
 from proxy.wire.snapshot import ReadySnapshot, encode_snapshot  # noqa: E402
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.sentinel import SentinelGroup  # noqa: E402
 
 PREFIX = "bench"
@@ -352,6 +353,7 @@ def _kill(group: SentinelGroup) -> float:
 
 
 def main() -> None:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--proxies", type=int, default=8)
     parser.add_argument("--commits", type=int, default=1000)

@@ -68,6 +68,7 @@ sys.path.insert(0, str(REPO))
 
 from controlplane.redisserver import EmbeddedRedis  # noqa: E402
 from tests.support import llama  # noqa: E402
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
@@ -448,6 +449,7 @@ def table(cells: list[Cell]) -> str:
 
 
 def main() -> int:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops its llama-servers
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default="round_robin,least_load,prefix,sglang,smg",
                    help=f"from {','.join(TARGETS)}")

@@ -49,7 +49,7 @@ from proxy_overhead import (  # noqa: E402
     wait_until_up,
 )
 
-from tests.support.pids import descendants  # noqa: E402
+from tests.support.pids import descendants, interrupt_on_sigterm  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 EVENT = b'data: {"choices":[{"delta":{"content":"token"}}]}\n\n'
@@ -316,6 +316,7 @@ def spread(values: list[float]) -> str:
 
 
 def main() -> None:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=10000)
     p.add_argument("--rounds", type=int, default=3)

@@ -1,5 +1,6 @@
 """The processes a test started, read from Linux /proc: their descendants, whether each
-still runs, and SIGKILL for what is left (by pid, never by name)."""
+still runs, and SIGKILL for what is left (by pid, never by name); and, for the benches,
+SIGTERM made an interrupt so that a bench stopped by `kill` stops what it started."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def kill_all(pids: Iterable[int]) -> None:
         if running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def interrupt_on_sigterm() -> None:
+    """From now on SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does.
+
+    By default SIGTERM ends Python at once, skipping `finally` blocks and context exits: a
+    bench stopped by `kill` left its replicas, proxies, redis-servers or llama-servers
+    running (four llama-servers at a core each, from bench/real_engines.py). As an
+    interrupt, the bench's own cleanup stops them."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
