@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from controlplane.engines.parse import parse_metrics  # noqa: E402
 from controlplane.engines.scraper import EngineScraper, ScrapeTarget  # noqa: E402
 from controlplane.store import Store  # noqa: E402
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 # Histogram families of a vLLM V1 page that the scraper does not read (loggers.py).
@@ -113,6 +114,7 @@ async def round_(ports: list[int], steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=100)
     parser.add_argument("--steps", type=int, default=20)

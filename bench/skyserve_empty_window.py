@@ -24,6 +24,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.skyserve_stub import StubController  # noqa: E402
 
@@ -122,4 +123,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     asyncio.run(main())
