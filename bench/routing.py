@@ -65,8 +65,11 @@ import aiohttp
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(REPO))
 
 from proxy_overhead import descendants, free_port, http_status  # noqa: E402
+
+from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 
 HOST = "127.0.0.1"
 SGLANG_PY = Path(os.environ.get("SLUICE_BENCH_SGLANG_PYTHON")
@@ -697,10 +700,7 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="sluice-routing-"))
     procs = Procs(log_dir)
 
-    def on_signal(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
+    interrupt_on_sigterm()  # a bench stopped by `kill` stops what it started
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f}; logs in {log_dir}", flush=True)
     summaries: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
