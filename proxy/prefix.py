@@ -368,6 +368,10 @@ class PrefixPolicy:
             else:
                 chosen = self._choose_agreed(key, exclude, factor, -1, None)
         if chosen is not None:
+            table = self.placement
+            if table is not None and not table.batching:  # recent traffic (PlacementTable)
+                traffic = table.traffic
+                traffic[chosen] = traffic.get(chosen, 0.0) + 1.0
             pair = self._outcomes.get(chosen)  # None: a fallback outside the set
             request.outcome = pair[self._predicted] if pair is not None else None
             request.cold = self._predicted == PREDICTED_MISS and bool(key)

@@ -66,6 +66,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 from proxy.compat import timeout
 from proxy.config import ProxyConfig
@@ -76,7 +77,7 @@ from proxy.sources.placement import MAX_LOAD, PlacementSync
 from proxy.stats import Stats
 from proxy.stopping import bounded, stop_tasks
 from proxy.tally import RoutedTally, cut_total, response_classes
-from proxy.wire.engines import EngineStats, EngineView, decode_engine_view
+from proxy.wire.engines import EngineStats, EngineView, batching_only, decode_engine_view
 from proxy.wire.errors import SnapshotInvalid
 from proxy.wire.feed import SnapshotFeed
 from proxy.wire.keys import Keys
@@ -86,33 +87,18 @@ from proxy.wire.telemetry import InflightEntry, Nudge, ProxyHeartbeat, encode_nu
 log = logging.getLogger("sluice.proxy.redis")
 
 
-# Engines that batch many requests over one shared prefix cache (continuous batching, a
-# paged KV cache), as the simulator does: `--fleet-load auto` turns the fleet's counts on
-# for these (fleet_wanted). llama.cpp keeps one cache per slot.
-BATCHING_ENGINES = frozenset(("vllm", "sglang", "tgi"))
-
-
 def fleet_wanted(engines: Iterable[EngineStats | None]) -> bool:
     """`--fleet-load auto`: whether a known family's load bound should count the other
-    proxies' in flight. Yes when the engines the view names (records of engine "unknown"
-    and replicas without one left out) are all batching engines (BATCHING_ENGINES); no
-    when any is another (llama.cpp) or none is named.
+    proxies' in flight: when the engines the view names are all batching engines
+    (proxy/wire/engines.batching_only); not when any is another (llama.cpp) or none is
+    named.
 
     Measured (bench/README.md, "`--fleet-load` again"): on the simulator, which batches
     like vLLM, 4 proxies came within 1.5 % of 1 with the fleet's counts and 14 % behind
     without; on llama.cpp servers with 2 slots, each slot its own cache, the fleet-sized
     bound spilled families to cold servers sooner and computed 6-10 % more prompt tokens,
-    in five runs out of five. `auto` itself, measured once on the simulator's overload
-    cell, matched `on` in 2 seeds of 3 and lost the third (bench/README.md, "`--fleet-load
-    auto`"): not the default yet."""
-    named = False
-    for engine in engines:
-        if engine is None or engine.engine == "unknown":
-            continue
-        if engine.engine not in BATCHING_ENGINES:
-            return False
-        named = True
-    return named
+    in five runs out of five (bench/README.md, "`--fleet-load auto` by default")."""
+    return batching_only(engines)
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -299,6 +285,7 @@ class RedisSource:
             stored = await feed.get()
             if stored is not None:
                 self._offer(stored, via_publish=False)
+            await self._read_engines(client)
             if self._failures:
                 log.info(
                     "redis source for %s: reconnected at generation %d",
@@ -450,8 +437,22 @@ class RedisSource:
             engines = None
         self._apply_engines(engines)
 
+    async def _read_engines(self, client: aioredis.Redis) -> None:
+        """The engine view read with the snapshot, before the first request (the flush
+        loop reads it every second after): the prefix policy knows the replicas' slots
+        and engine kinds for its first placements. A bench's first second placed new
+        families by the rule for llama.cpp on vLLM-style replicas without it. A user
+        not allowed to GET the view is left to the flush loop, which says so once."""
+        try:
+            raw = await client.get(self._engines_key)
+        except ResponseError:
+            return
+        self._apply_engines(raw if isinstance(raw, bytes) else None)
+
     def _apply_engines(self, raw: bytes | None) -> None:
-        """Set each known replica's engine record from the published view (by URL)."""
+        """Set each known replica's engine record from the published view (by URL); the
+        prefix policy's placement table reads capacities and engine kinds from them at
+        once (PlacementTable.refresh_capacity)."""
         assert self._ready_set is not None
         records: dict[str, EngineStats] = {}
         if raw is not None:
@@ -471,6 +472,9 @@ class RedisSource:
             record = replica.engine = records.get(url)
             waiting = record.waiting if record is not None and engine_load else None
             replica.engine_queue = int(waiting) if waiting else 0
+        table = getattr(self._ready_set.policy, "placement", None)
+        if table is not None:
+            table.refresh_capacity()
 
     def _apply_peers(self, raw: object, now: float) -> None:
         """From the other proxies' fresh entries in `raw` (the HGETALL; None: unknown):

@@ -15,6 +15,7 @@ is dropped; the counts of both come back for the reader to log once or count.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -65,6 +66,27 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     def queue(self) -> float:
         """Requests waiting in the engine (0 when unknown)."""
         return self.waiting or 0.0
+
+
+# Engines that batch many requests over one shared prefix cache (continuous batching, a
+# paged KV cache), as bench/routing.py's simulator does. llama.cpp keeps one cache per
+# slot and runs as many requests at once as it has slots.
+BATCHING_ENGINES = frozenset(("vllm", "sglang", "tgi"))
+
+
+def batching_only(engines: Iterable[EngineStats | None]) -> bool:
+    """Whether the engines named are all batching engines (BATCHING_ENGINES): yes when
+    at least one is named and none is another (llama.cpp); records of engine "unknown"
+    and replicas without one are left out. The proxy's `--fleet-load auto` and the prefix
+    policy's placement on an idle fleet (proxy/placement.py) follow it."""
+    named = False
+    for engine in engines:
+        if engine is None or engine.engine == "unknown":
+            continue
+        if engine.engine not in BATCHING_ENGINES:
+            return False
+        named = True
+    return named
 
 
 class EngineView(msgspec.Struct, frozen=True, kw_only=True):

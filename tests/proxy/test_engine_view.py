@@ -151,3 +151,29 @@ async def test_redis_gone_makes_every_replica_unknown(
     finally:
         await source.aclose()
         ready_set.close()
+
+
+async def test_a_proxy_starts_with_the_view_already_published(
+    store: Store, redis_url: str, redis_prefix: str
+) -> None:
+    # Read with the snapshot, not at the first once-a-second flush (here 30 s away): the
+    # prefix policy's first placements know the replicas' slots and engine kinds.
+    await registered(store, spec=b"{}")
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    snapshot = await store.snapshot("svc")
+    assert snapshot is not None
+    urls = [r.url for r in snapshot.replicas]
+    await store.telemetry.write_engines({"svc": EngineView(service="svc", replicas={
+        str(n): EngineStats(url=url, engine="llamacpp", at=1.0, slots=2)
+        for n, url in enumerate(urls, 1)})}, ttl=10)  # fmt: skip
+    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
+    ready_set = ReadySet()
+    source = RedisSource(config, Stats(), flush_interval=30.0)
+    try:
+        await source.start(ready_set)
+        assert len(ready_set.replicas) == 2
+        got = engines(ready_set)
+        assert all(e is not None and e.slots == 2 for e in got.values()), got
+    finally:
+        await source.aclose()
+        ready_set.close()

@@ -14,7 +14,7 @@ import pytest
 
 from controlplane.servicespec.service import PrefixRouting
 from proxy.config import ProxyConfig
-from proxy.placement import WARM_HOLD, Family, PlacementTable
+from proxy.placement import TRAFFIC_HALF_LIFE, WARM_HOLD, Family, PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import PLACEMENT_STALE, ReadySet
 from proxy.replica import Replica
@@ -112,6 +112,80 @@ def test_a_cold_prefill_in_flight_counts_twice_in_a_new_familys_order() -> None:
     # A known family is no cold prefill: not marked, and not moved off its replica.
     again = Req(first)
     assert ready.choose(None, again) is a and not again.cold
+
+
+def test_an_idle_fleet_places_a_new_family_by_recent_traffic_not_by_a_request_in_flight(
+) -> None:
+    # 4 llama.cpp servers at 1.5 arrivals/s: a new family went to the server of the
+    # hottest one because the other servers with room each had a request in flight (or
+    # the rendezvous order broke a tie between idle ones), and the two shared 2 slots.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    hot, warm, c1, c2, new, seen, later = bodies(7, seed=27)
+    a = ready.choose(None, Req(hot))
+    assert a is not None
+    for _ in range(20):  # the hot family's traffic
+        assert ready.choose(None, Req(hot)) is a
+    b = ready.choose(None, Req(warm))
+    assert b is not None and b is not a  # the least recent traffic, whatever the hash
+    assert ready.choose(None, Req(warm)) is b and ready.choose(None, Req(warm)) is b
+    c = next(r for r in ready.replicas if r not in (a, b))
+    assert ready.choose(None, Req(c1)) is c and ready.choose(None, Req(c2)) is c
+    # Traffic a 21, b 3, c 2, and one request in flight on b: the fleet still idles (1 <
+    # 3 replicas). By load and families for capacity (b over the bound of 1, a with 1
+    # family of 4 against c's 2) the hot family's replica would take it; by traffic, c.
+    b.inflight = 1
+    assert ready.choose(None, Req(new)) is c
+    # Other proxies' requests count too (2 on a as the in-flight hash showed them): 3 in
+    # flight over 3 replicas is not idle, and the load bound and families order again.
+    a.peer_seen = 2
+    assert ready.choose(None, Req(seen)) is a
+    a.peer_seen = 0
+    # A busy fleet (4 in flight over 3 replicas): the least loaded again, whatever its
+    # traffic.
+    b.inflight, c.inflight = 2, 2
+    assert ready.choose(None, Req(later)) is a
+
+
+def test_batching_engines_place_a_new_family_by_load_on_an_idle_fleet_too() -> None:
+    # A batching engine (vLLM's engine view) takes a second family's requests into the
+    # same batch: a new family goes by the load bound even on an idle fleet, and no
+    # traffic is counted (the simulator measured traffic first worse there).
+    hot, warm, new = bodies(3, seed=27)
+    engines = {False: "llamacpp", True: "vllm"}
+    for batching in (False, True):
+        ready = ReadySet()
+        ready.apply(snapshot(1, *URLS[:2]))
+        for r in ready.replicas:
+            r.engine = EngineStats(  # type: ignore[attr-defined]
+                url=r.url, engine=engines[batching], slots=4)
+        ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # the source's tick
+        a = ready.choose(None, Req(hot))
+        assert a is not None
+        for _ in range(20):
+            assert ready.choose(None, Req(hot)) is a
+        b = ready.choose(None, Req(warm))
+        assert b is not None and b is not a
+        b.inflight = 1  # over the new-family bound; 1 in flight over 2 replicas: idle
+        assert ready.choose(None, Req(new)) is (a if batching else b)
+        traffic = ready.policy.placement.traffic  # type: ignore[attr-defined]
+        assert (traffic[a] == 0) is batching
+
+
+def test_recent_traffic_halves_every_half_life() -> None:
+    table = PlacementTable()
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:2]))
+    table.update(ready.replicas)
+    table.refresh(1000.0)
+    a, b = ready.replicas[0], ready.replicas[1]
+    table.traffic[a] = 8.0
+    table.refresh(1000.0 + TRAFFIC_HALF_LIFE)
+    assert table.traffic == {a: 4.0, b: 0.0}
+    table.refresh(1000.0 + 3 * TRAFFIC_HALF_LIFE)
+    assert table.traffic[a] == pytest.approx(1.0)
+    table.update([b])  # a replica that left takes its traffic with it
+    assert table.traffic == {b: 0.0}
 
 
 def test_a_full_replica_takes_no_new_family_while_another_has_room() -> None:

@@ -506,3 +506,26 @@ async def test_a_hash_full_of_one_off_prompts_still_shares_new_families(
 
 async def _hlen_below(client: aioredis.Redis, key: str, cap: int) -> bool:
     return int(await client.hlen(key)) < cap  # type: ignore[misc]
+
+
+async def test_the_engine_view_reaches_the_placement_table_when_it_is_read(
+    store: Store, two: list[Proxy]
+) -> None:
+    # Capacities (llama.cpp's slots) and the engines' kind (batching or one cache per
+    # slot: how an idle fleet's new family is placed) follow the view as it is applied,
+    # not at the table's next refresh up to a second later.
+    from proxy.wire.engines import EngineStats, EngineView
+
+    _, ready_set, _ = two[0]
+    t = table(ready_set)
+    assert not t.batching  # no view: one cache per slot assumed
+    for kind, slots in (("llamacpp", 2), ("vllm", None)):
+        await store.telemetry.write_engines({"svc": EngineView(service="svc", replicas={
+            str(n): EngineStats(url=r.url, engine=kind, at=time.time(), slots=slots)
+            for n, r in enumerate(ready_set.replicas, 1)})}, ttl=10)  # fmt: skip
+        await until(lambda kind=kind: all(  # type: ignore[misc]
+            r.engine is not None and r.engine.engine == kind  # type: ignore[attr-defined]
+            for r in ready_set.replicas), what=f"the {kind} view")
+        assert t.batching is (kind == "vllm")
+        if slots:
+            assert set(t.capacity.values()) == {slots}
