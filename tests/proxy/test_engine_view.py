@@ -19,7 +19,7 @@ from proxy.metrics import render
 from proxy.readyset import ReadySet
 from proxy.sources.redis import RedisSource
 from proxy.stats import Stats
-from proxy.wire.engines import EngineStats, EngineView
+from proxy.wire.engines import MAX_VIEW_BYTES, EngineStats, EngineView
 from proxy.wire.keys import Keys
 from tests.support.builders import registered, replica
 from tests.support.poll import until
@@ -174,6 +174,35 @@ async def test_a_proxy_starts_with_the_view_already_published(
         assert len(ready_set.replicas) == 2
         got = engines(ready_set)
         assert all(e is not None and e.slots == 2 for e in got.values()), got
+    finally:
+        await source.aclose()
+        ready_set.close()
+
+
+@pytest.mark.parametrize("bad", ["garbage", "list", "oversize", "wrong type"])
+async def test_a_hostile_view_at_connect_never_stops_the_proxy_loading_its_set(
+    store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, bad: str
+) -> None:
+    # The view is read with the snapshot now: whatever is stored under its key, the
+    # proxy still loads the set and serves, with every engine unknown.
+    await registered(store, spec=b"{}")
+    await store.commit("svc", replica_updates=[replica(1), replica(2)])
+    key = Keys(redis_prefix).engines("svc")
+    if bad == "wrong type":  # GET on a hash: WRONGTYPE
+        await redis_client.hset(key, mapping={"1": "x"})
+    else:
+        await redis_client.set(key, {
+            "garbage": b"\xff{not json",
+            "list": msgspec.json.encode([{"url": "http://127.0.0.1:1", "slots": 2}]),
+            "oversize": b" " * (MAX_VIEW_BYTES + 1),
+        }[bad])
+    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
+    stats, ready_set = Stats(), ReadySet()
+    source = RedisSource(config, stats, flush_interval=30.0)
+    try:
+        await source.start(ready_set)
+        assert len(ready_set.replicas) == 2 and stats.source_connected == 1
+        assert all(e is None for e in engines(ready_set).values())
     finally:
         await source.aclose()
         ready_set.close()
