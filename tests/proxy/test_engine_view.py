@@ -5,6 +5,7 @@ touches serving (a real redis-server, a real RedisSource and ReadySet)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -153,6 +154,20 @@ async def test_redis_gone_makes_every_replica_unknown(
         ready_set.close()
 
 
+@contextlib.asynccontextmanager
+async def connected(redis_url: str, redis_prefix: str) -> AsyncIterator[tuple[ReadySet, Stats]]:
+    """A proxy's RedisSource started (its first flush 30 s away), stopped on exit."""
+    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
+    stats, ready_set = Stats(), ReadySet()
+    source = RedisSource(config, stats, flush_interval=30.0)
+    try:
+        await source.start(ready_set)
+        yield ready_set, stats
+    finally:
+        await source.aclose()
+        ready_set.close()
+
+
 async def test_a_proxy_starts_with_the_view_already_published(
     store: Store, redis_url: str, redis_prefix: str
 ) -> None:
@@ -166,17 +181,10 @@ async def test_a_proxy_starts_with_the_view_already_published(
     await store.telemetry.write_engines({"svc": EngineView(service="svc", replicas={
         str(n): EngineStats(url=url, engine="llamacpp", at=1.0, slots=2)
         for n, url in enumerate(urls, 1)})}, ttl=10)  # fmt: skip
-    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
-    ready_set = ReadySet()
-    source = RedisSource(config, Stats(), flush_interval=30.0)
-    try:
-        await source.start(ready_set)
+    async with connected(redis_url, redis_prefix) as (ready_set, _):
         assert len(ready_set.replicas) == 2
         got = engines(ready_set)
         assert all(e is not None and e.slots == 2 for e in got.values()), got
-    finally:
-        await source.aclose()
-        ready_set.close()
 
 
 @pytest.mark.parametrize("bad", ["garbage", "list", "oversize", "wrong type"])
@@ -196,13 +204,6 @@ async def test_a_hostile_view_at_connect_never_stops_the_proxy_loading_its_set(
             "list": msgspec.json.encode([{"url": "http://127.0.0.1:1", "slots": 2}]),
             "oversize": b" " * (MAX_VIEW_BYTES + 1),
         }[bad])
-    config = ProxyConfig(redis_url=redis_url, service="svc", redis_prefix=redis_prefix)
-    stats, ready_set = Stats(), ReadySet()
-    source = RedisSource(config, stats, flush_interval=30.0)
-    try:
-        await source.start(ready_set)
+    async with connected(redis_url, redis_prefix) as (ready_set, stats):
         assert len(ready_set.replicas) == 2 and stats.source_connected == 1
         assert all(e is None for e in engines(ready_set).values())
-    finally:
-        await source.aclose()
-        ready_set.close()
