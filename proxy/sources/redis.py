@@ -484,6 +484,7 @@ class RedisSource:
         assert self._ready_set is not None
         sums: dict[str, int] = {}
         seen: dict[str, int] = {}
+        traffic: dict[str, float] = {}
         bad = 0
         fresh = 0
         if self._fleet_mode == "auto":
@@ -512,12 +513,17 @@ class RedisSource:
                     seen[url] = seen.get(url, 0) + count
                     if counted:
                         sums[url] = sums.get(url, 0) + count
+                for url, routed in entry.traffic.items():
+                    traffic[url] = traffic.get(url, 0.0) + routed
         if bad and not self._peers_warned:
             log.warning("service %s: %d in-flight entries of other proxies skipped "
                         "(malformed, or more than %d)", self._service, bad, MAX_PEERS)
             self._peers_warned = True
         for url, replica in self._ready_set.known.items():
             replica.peer_seen = min(seen.get(url, 0), MAX_LOAD)
+        table = getattr(self._ready_set.policy, "placement", None)
+        if table is not None:
+            table.set_peer_traffic(traffic)
         set_proxies = getattr(self._ready_set.policy, "set_proxies", None)
         if set_proxies is not None:  # --fleet-load: the loads are the fleet's already
             set_proxies(1 if self._fleet_load else 1 + fresh)
@@ -543,8 +549,13 @@ class RedisSource:
     def _inflight_payload(self, now: float) -> bytes:
         assert self._ready_set is not None
         per_replica = {r.url: r.inflight for r in self._ready_set.known.values() if r.inflight}
-        return _ENCODER.encode(
-            InflightEntry(at=now, total=sum(per_replica.values()), replicas=per_replica))
+        table = getattr(self._ready_set.policy, "placement", None)
+        # This proxy's recent traffic per replica (per-slot engines only: empty else), to
+        # a tenth of a request: the other proxies' idle-fleet order adds it to theirs.
+        traffic = {r.url: round(v, 1) for r, v in table.traffic.items()
+                   if v >= 0.05} if table is not None else {}
+        return _ENCODER.encode(InflightEntry(
+            at=now, total=sum(per_replica.values()), replicas=per_replica, traffic=traffic))
 
     def _heartbeat_payload(self, now: float) -> bytes:
         """What `sluice status` reads to show convergence."""

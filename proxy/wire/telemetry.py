@@ -25,6 +25,7 @@ _Time = Annotated[float, msgspec.Meta(ge=0.0)]  # JSON has no NaN; 1e999 fails t
 _Url = Annotated[str, msgspec.Meta(max_length=2048)]
 _Reason = Annotated[str, msgspec.Meta(max_length=32)]
 _Total = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]  # a counter since the start
+_Traffic = Annotated[float, msgspec.Meta(ge=0.0, le=float(MAX_COUNT))]
 
 
 class InflightEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +36,10 @@ class InflightEntry(msgspec.Struct, frozen=True, kw_only=True):
     total: _Count = 0
     # replica URL -> requests in flight there
     replicas: Annotated[dict[_Url, _Count], msgspec.Meta(max_length=10_000)] = {}
+    # replica URL -> requests the proxy routed there recently (the prefix policy's
+    # PlacementTable.traffic, halved every 30 s; per-slot engines only, else empty): the
+    # other proxies add it to their own to place a new family on an idle fleet.
+    traffic: Annotated[dict[_Url, _Traffic], msgspec.Meta(max_length=10_000)] = {}
 
 
 class ProxyHeartbeat(msgspec.Struct, frozen=True, kw_only=True):

@@ -56,6 +56,10 @@ def entry(replicas: dict[str, int], at: float | None = None) -> bytes:
     return msgspec.json.encode({"at": at, "total": sum(replicas.values()), "replicas": replicas})
 
 
+def traffic_entry(traffic: dict[str, float]) -> bytes:
+    return msgspec.json.encode({"at": time.time(), "traffic": traffic})
+
+
 def peers(ready_set: ReadySet) -> dict[int, int]:
     return {r.id: r.peer_inflight for r in ready_set.known.values()}
 
@@ -79,6 +83,42 @@ async def test_the_other_proxies_counts_are_summed_per_replica(
     await redis_client.hset(key, OWN, entry({one: 40}))
     await redis_client.hdel(key, "peer-b:2")
     await until(lambda: peers(ready_set) == {1: 3, 2: 1}, what="peer-b's entry gone")
+
+
+async def test_the_proxies_share_their_recent_traffic_per_replica(
+    store: Store, redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
+) -> None:
+    # The prefix policy orders an idle per-slot fleet (llama.cpp) by recent traffic for a
+    # new family: this proxy publishes its own with its in-flight counts, and adds the
+    # others' (with or without --fleet-load) to it.
+    source, ready_set = await _follow(store, redis_url, redis_prefix, fleet_load="off",
+                                      policy="prefix")
+    key = Keys(redis_prefix).inflight("svc")
+    # placement: auto (the default) turns placement on once the source shares it.
+    table = await until(lambda: ready_set.policy.placement,  # type: ignore[attr-defined]
+                        what="the shared placement to be on")
+    one, two = ready_set.replicas
+    try:
+        await redis_client.hset(key, mapping={
+            "peer-a:1": traffic_entry({one.url: 4.5, two.url: 1.0}),
+            "peer-b:2": traffic_entry({one.url: 2.0, "http://127.0.0.1:1": 9.0}),
+        })  # fmt: skip
+        await until(lambda: table.peer_traffic == {one: 6.5, two: 1.0},
+                    what="the peers' traffic summed")
+        table.traffic[two] = 3.27  # what this proxy routed there (the policy counts it)
+
+        async def published() -> bool:  # to a tenth of a request
+            raw = await redis_client.hget(key, OWN)
+            return raw is not None and msgspec.json.decode(raw).get("traffic") == {two.url: 3.3}
+
+        await until(published, what="this proxy's traffic published")
+        # This proxy's own entry is never added to the others'.
+        assert table.peer_traffic == {one: 6.5, two: 1.0}
+        await redis_client.hdel(key, "peer-a:1", "peer-b:2")
+        await until(lambda: table.peer_traffic == {}, what="the peers' entries gone")
+    finally:
+        await source.aclose()
+        ready_set.close()
 
 
 async def test_without_fleet_load_the_other_proxies_counts_are_not_counted(
@@ -203,8 +243,13 @@ def test_a_margin_split_among_many_proxies_is_at_least_one() -> None:
     b'{"at": NOW, "replicas": ["URL", 7]}',
     b'{"at": "NOW", "replicas": {"URL": 30}}',
     b'{"at": STALE, "replicas": {"URL": 30}}',  # a proxy that stopped: its entry stays
+    b'{"at": NOW, "replicas": {"URL": 30}, "traffic": {"URL": -1.0}}',
+    b'{"at": NOW, "replicas": {"URL": 30}, "traffic": {"URL": 1e300}}',
+    b'{"at": NOW, "replicas": {"URL": 30}, "traffic": {"URL": "7"}}',
+    b'{"at": NOW, "replicas": {"URL": 30}, "traffic": ["URL", 7]}',
 ], ids=["garbage", "a-list", "future", "negative", "float", "huge", "string", "list-map",
-        "at-string", "stale"])  # fmt: skip
+        "at-string", "stale", "traffic-negative", "traffic-huge", "traffic-string",
+        "traffic-list"])  # fmt: skip
 async def test_a_hostile_or_stale_entry_is_skipped_and_the_rest_count(
     redis_client: aioredis.Redis, followed: tuple[ReadySet, str], bad: bytes
 ) -> None:
@@ -216,6 +261,8 @@ async def test_a_hostile_or_stale_entry_is_skipped_and_the_rest_count(
     await redis_client.hset(key, mapping={"evil:1": bad, "peer-a:1": entry({one: 2})})
     await until(lambda: peers(ready_set)[1] == 2, what="the good entry alone")
     assert seen(ready_set)[1] == 2  # the overflow's order skips it too
+    table = getattr(ready_set.policy, "placement", None)
+    assert table is None or not table.peer_traffic  # and its traffic counts nowhere
     # The same entry, well-formed and fresh, would count: the test can fail.
     await redis_client.hset(key, "evil:1", entry({one: 30}))
     await until(lambda: peers(ready_set)[1] == 32, what="a good entry in its place")

@@ -147,6 +147,27 @@ def test_an_idle_fleet_places_a_new_family_by_recent_traffic_not_by_a_request_in
     assert ready.choose(None, Req(later)) is a
 
 
+def test_an_idle_fleet_is_ordered_by_the_other_proxies_traffic_too() -> None:
+    # 4 proxies: each routes ~1/4 of the requests, so its own traffic is a noisy quarter
+    # of the fleet's. The others' (from the in-flight hash) is added to it.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    a, b, c = ready.replicas
+    first, second = bodies(2, seed=29)
+    table.traffic.update({a: 5.0, b: 3.0, c: 0.0})
+    # This proxy's traffic alone would pick c; the fleet's says c is the busiest.
+    table.set_peer_traffic({c.url: 10.0, a.url: 1.5, "http://127.0.0.1:1": 99.0})
+    assert table.peer_traffic == {c: 10.0, a: 1.5}  # a URL not in the set: ignored
+    assert ready.choose(None, Req(first)) is b
+    # Without the others' counts (none fresh), this proxy's own order again.
+    table.set_peer_traffic({})
+    assert ready.choose(None, Req(second)) is c
+    table.set_peer_traffic({a.url: 1.0, c.url: 2.0})
+    table.update([a, b])  # a replica that left takes the others' traffic with it too
+    assert table.peer_traffic == {a: 1.0}
+
+
 def test_batching_engines_place_a_new_family_by_load_on_an_idle_fleet_too() -> None:
     # A batching engine (vLLM's engine view) takes a second family's requests into the
     # same batch: a new family goes by the load bound even on an idle fleet, and no
