@@ -20,9 +20,9 @@ decides instead, for a family it does not know:
    proxies' as the in-flight hash showed them a second ago), the least recent traffic
    first (`traffic`: the requests this proxy routed to each replica, halved every
    TRAFFIC_HALF_LIFE, plus `peer_traffic`, the other proxies' as their in-flight entries
-   showed it a second ago: each of 4 proxies sees a quarter of the fleet's traffic, and
-   sharing it took 4 proxies' mean TTFT on real llama.cpp servers from 101 to 92 ms over 6
-   seeds), the load bound of 1 not applied: whether a replica has a request
+   showed it a second ago: each of 4 proxies sees a quarter of the fleet's traffic; shared,
+   4 proxies on real llama.cpp servers took 93 ms of mean TTFT against 97, and 3 % fewer
+   prompt tokens, over 12 runs), the load bound of 1 not applied: whether a replica has a request
    in flight at that moment (0 or 1) is noise, where the traffic of the families already
    there says which replica the new one would share slots with. On 4 llama.cpp servers
    with 2 slots at 1.5 arrivals/s the two hottest of 8 families landed on one server (51
