@@ -149,14 +149,23 @@ def prefix_metrics(policy: Any, worker: str) -> Iterator[Metric]:
             "sluice_prefix_family_capacity", "Families a replica can keep cached, as the "
             "placement counts them (engine slots, KV tokens / window, or the default)",
             labels=["replica", "worker"])
+        traffic = GaugeMetricFamily(
+            "sluice_prefix_recent_traffic", "Requests routed to a replica recently (halved "
+            "every 30 s; per-slot engines only), by this proxy and by the other proxies as "
+            "their in-flight entries last showed it: an idle fleet's new family goes where "
+            "the sum is least", labels=["replica", "proxies", "worker"])
         caps = placement.capacity
+        own, others = placement.traffic, placement.peer_traffic
         for replica, count in placement.placed.items():
             families.add_metric([replica.url, worker], count)
             cap = caps.get(replica)
             if cap is not None:
                 capacity.add_metric([replica.url, worker], cap)
+            traffic.add_metric([replica.url, "this", worker], own.get(replica, 0.0))
+            traffic.add_metric([replica.url, "others", worker], others.get(replica, 0.0))
         yield families
         yield capacity
+        yield traffic
     confusion = CounterMetricFamily(
         "sluice_prefix_outcomes", "Responses whose engine reported its cached prompt tokens "
         "(llama.cpp timings.cache_n, usage.prompt_tokens_details.cached_tokens), by the "

@@ -400,6 +400,14 @@ async def test_vllm_format_with_placement_counts_families_and_usage_reports(
     placed = {next(iter(w)) for w in where.values()}
     assert {r for r, n in by_replica.items() if n} == placed
     assert total(samples, "sluice_prefix_family_capacity", urls) == 8  # default 4 each
+    # No engine view (no Redis): per-slot rules, so this proxy counts its traffic: 12
+    # requests, halved every 30 s; no other proxy.
+    routed = [s for s in samples if s[0] == "sluice_prefix_recent_traffic"]
+    mine = sum(v for _, labels, v in routed if labels["proxies"] == "this")
+    assert 10.0 < mine <= 12.0, routed
+    assert sum(v for _, labels, v in routed if labels["proxies"] == "others") == 0
+    busy = {labels["replica"] for _, labels, v in routed if v}
+    assert {e.id for e in engines if e.url in busy} == placed
     assert metric(samples, "sluice_prefix_spill_margin") == 0  # --prefix-spill-margin 0
 
 
