@@ -303,7 +303,15 @@ async def test_a_never_ready_version_stops_launching_and_status_says_why(
     view = await ops.wait_for(
         store, "svc", lambda v: any(r.status == "FAILED_INITIAL_DELAY" for r in v.replicas), 15
     )
-    assert view.launch_blocked is not None and "initial_delay_seconds=1" in view.launch_blocked
+    assert view.launch_blocked is not None
+    # The reason comes from the failure event, which the controller appends after the
+    # commit that set the status (a launch never waits on an event write): a status read
+    # between the two says the version is blocked, without the reason yet.
+    view = await ops.wait_for(
+        store, "svc",
+        lambda v: v.launch_blocked is not None and "initial_delay_seconds=1" in v.launch_blocked,
+        15,
+    )  # fmt: skip
     failed = next(r for r in (await store.replicas("svc")).values() if r.version == 3)
     await until(lambda: not failed.handle or not running(pid_of(failed)), timeout=10)
 
