@@ -362,6 +362,27 @@ def test_the_overflow_leaves_a_secondary_above_the_mean_for_the_least_loaded() -
     assert ready.choose(None, Req(body)) is home
 
 
+def test_with_the_fleets_counts_the_secondary_is_judged_on_them_too() -> None:
+    # --fleet-load: each replica's load counts the other proxies' in flight
+    # (`peer_inflight`) and the margin is the fleet's (set_proxies(1): no slack). On this
+    # proxy's own counts (~1/4 of the fleet's, with 4 proxies) the secondary looks above
+    # the mean: 3 of 6 + 3 + 1 + 0 (10 // 4 + 1 = 3). On the fleet's it holds far below it.
+    ready, body, home, spill, fam = spilled_family()
+    others = [r for r in ready.replicas if r not in (home, spill)]
+    home.inflight, spill.inflight, others[0].inflight, others[1].inflight = 6, 3, 1, 0
+    home.peer_inflight, others[0].peer_inflight, others[1].peer_inflight = 10, 6, 6
+    # The fleet: 16 (over the bound, ceil(1.5 x 33 / 4) = 13), 3, 7, 6: mean 32 // 4 + 1
+    # = 9. The overflow stays on its warm secondary (it left it for a cold replica).
+    kept = Req(body)
+    assert ready.choose(None, kept) is spill
+    assert fam.secondary is spill and fam.warming is None and not kept.cold
+    # Above the fleet's mean (10 of 16 + 10 + 7 + 6: 39 // 4 + 1 = 10): the least loaded
+    # on the fleet's counts takes it, and computes the prompt first.
+    spill.peer_inflight = 7
+    moved = ready.choose(None, Req(body))
+    assert moved is others[1] and fam.secondary is moved and fam.warming is moved
+
+
 def test_the_overflow_goes_back_to_its_former_secondary_warm_before_a_cold_replica() -> None:
     # The secondary above the mean: the overflow moves to the least loaded other one,
     # which computes the prompt first (warming); the one it left is the former secondary.
