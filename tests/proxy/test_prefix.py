@@ -644,22 +644,8 @@ def test_with_the_fleets_counts_a_primary_shares_its_load_only_above_their_mean(
     # --fleet-load (set_proxies(1)): a replica's load counts the other proxies' in flight.
     # The mean a primary is judged above must count them too: on this proxy's own (a
     # quarter of the fleet's with 4 proxies) every hot primary was above it.
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:4], options=cold_options(placement="capacity",
-                                                             replica_families=13)))
-    policy = ready.policy
-    table = policy.placement  # type: ignore[attr-defined]
-    policy.set_proxies(1)  # type: ignore[attr-defined]
-    hot = bodies(1, seed=41)[0]
-    top = ready.choose(None, Req(hot))
-    assert top is not None
-    table.refresh(table.now)
-    top.inflight = 13  # over the bound: a new secondary, which answers
-    second = ready.choose(None, Req(hot))
-    fam = table.families[key(hot)[0]]
-    assert second is not None and second is not top and fam.secondary is second
-    fam.warming = None
-    rest = [r for r in ready.replicas if r not in (top, second)]
+    ready, hot, fam, (top, second, *rest) = warm_secondary()
+    ready.policy.set_proxies(1)  # type: ignore[attr-defined]
     # Own counts 3, 0, 0, 0 (mean 3 // 4 + 1 = 1); the fleet's 5, 1, 9, 9 (24 // 4 + 1 =
     # 7): the primary is below the fleet's mean and keeps its family.
     top.inflight, top.peer_inflight, second.peer_inflight = 3, 2, 1
