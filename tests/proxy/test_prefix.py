@@ -654,7 +654,7 @@ def test_with_the_fleets_counts_a_primary_shares_its_load_only_above_their_mean(
     assert ready.choose(None, Req(hot)) is top
     top.peer_inflight = 6  # 9 of 28 (mean 8): above it, the warm secondary holds fewer
     assert ready.choose(None, Req(hot)) is second
-
+    assert fam.third is None  # the other two hold more than both copies: no third copy
 
 
 def test_a_hot_family_gets_a_third_copy_when_its_two_are_above_the_mean() -> None:
