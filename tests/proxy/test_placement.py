@@ -372,7 +372,8 @@ def test_with_the_fleets_counts_the_secondary_is_judged_on_them_too() -> None:
     home.inflight, spill.inflight, others[0].inflight, others[1].inflight = 6, 3, 1, 0
     home.peer_inflight, others[0].peer_inflight, others[1].peer_inflight = 10, 6, 6
     # The fleet: 16 (over the bound, ceil(1.5 x 33 / 4) = 13), 3, 7, 6: mean 32 // 4 + 1
-    # = 9. The overflow stays on its warm secondary (it left it for a cold replica).
+    # = 9. The overflow stays on its warm secondary (judged on this proxy's own counts,
+    # it went to a cold replica).
     kept = Req(body)
     assert ready.choose(None, kept) is spill
     assert fam.secondary is spill and fam.warming is None and not kept.cold
