@@ -114,6 +114,35 @@ def test_a_cold_prefill_in_flight_counts_twice_in_a_new_familys_order() -> None:
     assert ready.choose(None, again) is a and not again.cold
 
 
+def test_on_batching_engines_a_new_family_passes_every_replica_computing_a_cold_prompt(
+) -> None:
+    # A batching engine computes a cold prompt in one step that holds every request there
+    # awaiting its first token: a new family goes to a replica computing none of this
+    # proxy's, even one holding more in flight (within the bound). A per-slot engine
+    # (llama.cpp) keeps counting it twice: there a strict preference measured worse.
+    engines = {False: "llamacpp", True: "vllm"}
+    for batching in (False, True):
+        ready = ReadySet()
+        ready.apply(snapshot(1, *URLS[:3]))
+        for r in ready.replicas:
+            r.engine = EngineStats(  # type: ignore[attr-defined]
+                url=r.url, engine=engines[batching], slots=4)
+        ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # the source's tick
+        first, second, third = bodies(3, seed=29)
+        a = ready.choose(None, Req(first))
+        assert a is not None
+        a.inflight, a.prefilling = 1, 1  # its cold prompt computing
+        b, c = (r for r in ready.replicas if r is not a)
+        b.inflight, c.inflight = 3, 6  # the bound (the mean + 1): 4, so c is out
+        # a: 2 counted in the order, b: 3 (no cold prompt), c: over the bound.
+        assert ready.choose(None, Req(second)) is (b if batching else a)
+        # Every replica within the bound computing one: the load decides again.
+        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        b.prefilling = 1
+        assert ready.choose(None, Req(third)) is a
+
+
 def test_an_idle_fleet_places_a_new_family_by_recent_traffic_not_by_a_request_in_flight(
 ) -> None:
     # 4 llama.cpp servers at 1.5 arrivals/s: a new family went to the server of the
