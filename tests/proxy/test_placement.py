@@ -45,9 +45,9 @@ def placed(ready: ReadySet, families: list[bytes]) -> collections.Counter[str]:
     return out
 
 
-def with_slots(ready: ReadySet, slots: int) -> None:
+def with_slots(ready: ReadySet, slots: int, engine: str = "llamacpp") -> None:
     for r in ready.replicas:
-        r.engine = EngineStats(url=r.url, engine="llamacpp", slots=slots)  # type: ignore[attr-defined]
+        r.engine = EngineStats(url=r.url, engine=engine, slots=slots)  # type: ignore[attr-defined]
     ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # what the source's tick does
 
 
@@ -124,10 +124,7 @@ def test_on_batching_engines_a_new_family_passes_every_replica_computing_a_cold_
     for batching in (False, True):
         ready = ReadySet()
         ready.apply(snapshot(1, *URLS[:3]))
-        for r in ready.replicas:
-            r.engine = EngineStats(  # type: ignore[attr-defined]
-                url=r.url, engine=engines[batching], slots=4)
-        ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # the source's tick
+        with_slots(ready, 4, engines[batching])
         first, second, third = bodies(3, seed=29)
         a = ready.choose(None, Req(first))
         assert a is not None
@@ -206,10 +203,7 @@ def test_batching_engines_place_a_new_family_by_load_on_an_idle_fleet_too() -> N
     for batching in (False, True):
         ready = ReadySet()
         ready.apply(snapshot(1, *URLS[:2]))
-        for r in ready.replicas:
-            r.engine = EngineStats(  # type: ignore[attr-defined]
-                url=r.url, engine=engines[batching], slots=4)
-        ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # the source's tick
+        with_slots(ready, 4, engines[batching])
         a = ready.choose(None, Req(hot))
         assert a is not None
         for _ in range(20):
