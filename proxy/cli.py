@@ -198,7 +198,9 @@ class _ProxyCommand(click.Command):
               flag_value="on", default=DEFAULTS.fleet_load, show_default=True,
               help="prefix policy: a known family's load bound also counts the requests "
                    "the other proxies have in flight, as they announce them on the "
-                   "placement channel about every 100 ms (Redis source only). auto (the "
+                   "placement channel about every 100 ms, and a new family's placement "
+                   "counts their cold prompts in flight (announced within 20 ms) "
+                   "(Redis source only). auto (the "
                    "default): on while the controller's engine view shows only batching "
                    "engines (vLLM, SGLang, TGI), off when it shows a llama.cpp server or "
                    "nothing. Measured in docs/routing.md: on a simulated vLLM fleet with 4 "

@@ -46,7 +46,14 @@ decides instead, for a family it does not know:
    first token. On the simulator with 1 proxy, shared prompts' mean TTFT fell 7-11 % in
    8 of 9 paired runs, and the cells meeting the goal against the peers in the same runs
    went from 7 of 15 to 10 (bench/README.md, "A new family passes a replica computing a
-   cold prompt, on batching engines");
+   cold prompt, on batching engines"). The other proxies' cold prompts there
+   (`peer_prefilling`, announced with the fleet's loads about 20 ms late:
+   proxy/sources/placement.py) count once in a new family's load, not in the strict
+   order: each of 4 proxies saw only its own, and placed new families on replicas the
+   others were filling. Counted strictly they narrowed new families onto the few
+   replicas computing none (shared prompts, seed 2: +25 % mean TTFT in every round);
+   counted once, 4 proxies' mean TTFT summed over 15 cells fell 3-5 % in two rounds
+   (bench/README.md, "The other proxies' cold prompts in a new family's order");
 4. then the fewest families for its capacity, then (per-slot engines) the least recent
    traffic; the family's rendezvous order breaks the remaining ties (so proxies with the
    same view decide the same).
@@ -414,6 +421,8 @@ class PlacementTable:
             load += r.prefilling  # a cold prefill in flight counts twice in the order
             if seen:
                 load += r.peer_seen
+            else:
+                load += r.peer_prefilling  # the other proxies' cold prompts there, once
             n = placed.get(r, 0)
             cap = capacity.get(r, default)
             full = n >= cap

@@ -76,6 +76,7 @@ class Replica:
         "left_at",
         "path",
         "peer_inflight",
+        "peer_prefilling",
         "peer_seen",
         "pool",
         "port",
@@ -125,6 +126,9 @@ class Replica:
         # policy's miss) whose response has not begun: placement avoids piling a second
         # cold prompt onto a replica still computing one (proxy/placement.py).
         self.prefilling = 0
+        # The other proxies' `prefilling` here, as they last announced it (with the fleet's
+        # loads, about 20 ms old: proxy/sources/placement.py; else 0).
+        self.peer_prefilling = 0
 
     def refresh(self, info: ReadyReplica) -> None:
         self.id = info.id

@@ -50,6 +50,17 @@ request path:
   Measured (bench/README.md, "The fleet's counts on the placement channel"): 4 proxies
   with it on 8 hot groups, 0.12-0.15 s mean TTFT, against 0.19-0.30 s on their own
   counts (1 proxy: 0.09 s).
+- **cold prompts** (with the fleet loads): at every batch (20 ms) the task announces
+  how many of this proxy's requests per replica are computing a cold prompt (sent as a
+  predicted miss, no response byte yet: `Replica.prefilling`) where that changed, and
+  all of them with the full counts every second (line `p<proxy hex> <at> <count>
+  <url>`, not stored); every other proxy sums them into `peer_prefilling` and forgets
+  them like the `l` counts. A cold prompt lasts one engine step of tens to hundreds of
+  ms, so these go at the batch, not every 100 ms, and only when a count changed (a
+  cold prompt is a new family, a warm-up or a miss: a few a second). The `prefix`
+  policy counts them in a new family's order (proxy/placement.py): each of 4 proxies
+  saw only its own, and placed new families onto replicas the others were filling.
+  (A proxy of a release before this counts `p` lines as malformed.)
 - **follow**: the task subscribes to that channel; and every `scan_interval`
   (1 s) it HSCANs at most `max_entries` fields (the cursor goes on at the
   next tick), adopting what it missed (a proxy that just started, a lost
@@ -102,6 +113,7 @@ SPILL = b"s"  # field prefix of a family's secondary
 TURN = b"t"  # line prefix of a spilled turn's block (channel only; not hex, like "s")
 WARM = b"w"  # line prefix of a new secondary's first answer (channel only)
 LOAD = b"l"  # line prefix of a proxy's in-flight count on a replica (channel only)
+COLD = b"p"  # line prefix of a proxy's cold prompts computing on a replica (channel only)
 LOAD_INTERVAL = 0.1  # s; the changed counts are announced this often
 LOAD_REFRESH = 1.0  # s; and all of them this often, changed or not
 LOAD_FRESH = 2.5  # s; a proxy's count not heard this long is dropped
@@ -121,13 +133,14 @@ def parse_entry(field: bytes | str,
                 value: bytes | str) -> tuple[int, float, str, bytes] | None:
     """(family or block, at, url, kind) of one entry, or None when it is malformed; kind:
     b"" a primary, SPILL a secondary, TURN a spilled turn's block, WARM a secondary's
-    first answer, LOAD a proxy's count (family: the proxy; url: "<count> <url>")."""
+    first answer, LOAD a proxy's count (family: the proxy; url: "<count> <url>"), COLD
+    its cold prompts likewise."""
     if isinstance(field, str):
         field = field.encode()
     if isinstance(value, str):
         value = value.encode()
     kind = field[:1]
-    if kind == SPILL or kind == TURN or kind == WARM or kind == LOAD:
+    if kind in (SPILL, TURN, WARM, LOAD, COLD):
         field = field[1:]
     else:
         kind = b""
@@ -162,7 +175,7 @@ def parse_load(rest: str) -> tuple[str, int] | None:
 class Lines:
     """A parsed `placed` message, by kind (each entry: family or block, url, at)."""
 
-    __slots__ = ("entries", "loads", "skipped", "spills", "turns", "warm")
+    __slots__ = ("colds", "entries", "loads", "skipped", "spills", "turns", "warm")
 
     def __init__(self) -> None:
         self.entries: Entries = []  # primaries
@@ -170,6 +183,7 @@ class Lines:
         self.turns: Entries = []  # spilled turns' blocks
         self.warm: Entries = []  # secondaries' first answers
         self.loads: Loads = []  # proxies' in-flight counts
+        self.colds: Loads = []  # proxies' cold prompts computing
         self.skipped = 0
 
 
@@ -188,12 +202,13 @@ def parse_lines(payload: bytes) -> Lines:
         if parsed is None:
             out.skipped += 1
             continue
-        if parsed[3] == LOAD:
+        if parsed[3] == LOAD or parsed[3] == COLD:
             load = parse_load(parsed[2])
             if load is None:
                 out.skipped += 1
             else:
-                out.loads.append((parsed[0], load[0], load[1]))
+                (out.loads if parsed[3] == LOAD else out.colds).append(
+                    (parsed[0], load[0], load[1]))
             continue
         by_kind[parsed[3]].append((parsed[0], parsed[2], parsed[1]))
     return out
@@ -222,14 +237,18 @@ class PlacementSync:
         self.published = 0  # entries this proxy won (tests, status)
         self.adopted_messages = 0
         # Fleet loads (--fleet-load): this proxy's id on the channel, the counts it last
-        # announced (url -> n), and what it heard (url -> {proxy: (n, when heard)}).
+        # announced (url -> n), and what it heard (url -> {proxy: (n, when heard)}); the
+        # same for the cold prompts (`_cold`: COLD lines).
         self._loads = loads
         self._proxy = crc32(proxy_id.encode())
-        self._load_prefix = LOAD + f"{self._proxy:x}".encode()
+        hex_id = f"{self._proxy:x}".encode()
+        self._prefix = {LOAD: LOAD + hex_id, COLD: COLD + hex_id}
         self._sent: dict[str, int] = {}
+        self._sent_cold: dict[str, int] = {}
         self._next_load = 0.0
         self._next_full = 0.0
         self._heard: dict[str, dict[int, tuple[int, float]]] = {}
+        self._heard_cold: dict[str, dict[int, tuple[int, float]]] = {}
         self.heard_from: dict[int, float] = {}  # proxy -> when its last count came
         # The counts of the proxies not heard on the channel, from the in-flight hash
         # (a second old; proxy/sources/redis.py, `set_base`): url -> n.
@@ -287,9 +306,12 @@ class PlacementSync:
                 skipped = lines.skipped
                 if lines.loads:
                     skipped += self.hear_loads(lines.loads, self._clock())
+                if lines.colds:
+                    skipped += self.hear_loads(lines.colds, self._clock(), cold=True)
                 self._adopt(lines.entries, skipped, lines.spills, lines.turns, lines.warm)
         finally:
             self._sent.clear()  # announce everything again once back
+            self._sent_cold.clear()
             self.forget_loads()
             await pubsub.aclose()
 
@@ -314,10 +336,10 @@ class PlacementSync:
                 self._warned_skip = True
 
     async def tick(self) -> None:
-        """One batch: publish the outbox and (every LOAD_INTERVAL) this proxy's counts;
-        every scan_interval, refresh and scan."""
+        """One batch: publish the outbox, this proxy's changed cold-prompt counts and
+        (every LOAD_INTERVAL) its in-flight counts; every scan_interval, refresh and scan."""
         now = self._clock()
-        if self._loads and now >= self._next_load:
+        if self._loads:
             await self._announce_loads(now)
         table = self.table()
         if table is None:
@@ -337,43 +359,50 @@ class PlacementSync:
             await self._scan(table, now)
 
     async def _announce_loads(self, now: float) -> None:
-        """This proxy's in-flight counts that changed since the last announcement (all of
-        them every LOAD_REFRESH); and the counts heard from proxies gone quiet expire."""
-        self._next_load = now + LOAD_INTERVAL
+        """This proxy's cold-prompt counts that changed since the last announcement, and
+        (every LOAD_INTERVAL) its in-flight counts that did; all of both every
+        LOAD_REFRESH, when the counts heard from proxies gone quiet expire. One PUBLISH."""
         full = now >= self._next_full
         if full:
             self._next_full = now + LOAD_REFRESH
             self.expire_loads(now)
-        assert self._ready_set is not None
-        sent = self._sent
-        changed: dict[str, int] = {}
-        for url, replica in self._ready_set.known.items():
-            n = replica.inflight
-            if n != sent.get(url, 0) or (full and n):
-                changed[url] = n
-        if full:
-            for url in [u for u in sent if u not in self._ready_set.known]:
-                del sent[url]
-        if not changed:
-            return
         at = f" {now:.3f} ".encode()
-        prefix = self._load_prefix + at
-        await self._client.publish(self._channel, b"\n".join(
-            prefix + f"{n} {url}".encode() for url, n in changed.items()))
-        for url, n in changed.items():
-            if n:
-                sent[url] = n
-            else:
-                sent.pop(url, None)
+        lines = self._changed(COLD, self._sent_cold, at, full)
+        if now >= self._next_load:
+            self._next_load = now + LOAD_INTERVAL
+            lines += self._changed(LOAD, self._sent, at, full)
+        if lines:
+            await self._client.publish(self._channel, b"\n".join(lines))
 
-    def hear_loads(self, loads: Loads, now: float) -> int:
+    def _changed(self, kind: bytes, sent: dict[str, int], at: bytes,
+                 full: bool) -> list[bytes]:
+        """The lines of this proxy's counts of `kind` (LOAD: `inflight`, COLD: `prefilling`)
+        that differ from `sent` (all non-zero ones if `full`); `sent` takes them."""
+        known = self._ready_set.known
+        prefix = self._prefix[kind] + at
+        lines: list[bytes] = []
+        for url, replica in known.items():
+            n = replica.inflight if kind == LOAD else replica.prefilling
+            if n != sent.get(url, 0) or (full and n):
+                lines.append(prefix + f"{n} {url}".encode())
+                if n:
+                    sent[url] = n
+                else:
+                    sent.pop(url, None)
+        if full:
+            for url in [u for u in sent if u not in known]:
+                del sent[url]
+        return lines
+
+    def hear_loads(self, loads: Loads, now: float, *, cold: bool = False) -> int:
         """The other proxies' counts (proxy, url, n) heard at `now`: each replica's
-        `peer_inflight` is their sum. Returns the lines skipped (a replica not in the set,
-        or a replica counted for MAX_LOAD_PEERS proxies already)."""
+        `peer_inflight` is their sum (`cold`: `peer_prefilling`, of COLD lines). Returns
+        the lines skipped (a replica not in the set, or a replica counted for
+        MAX_LOAD_PEERS proxies already)."""
         if not self._loads:
             return 0
         known = self._ready_set.known
-        heard = self._heard
+        heard = self._heard_cold if cold else self._heard
         touched: set[str] = set()
         skipped = 0
         heard_from = self.heard_from
@@ -408,20 +437,22 @@ class PlacementSync:
         known = self._ready_set.known
         for proxy in [p for p, at in self.heard_from.items() if at < cut]:
             del self.heard_from[proxy]
-        for url in list(self._heard):
-            per = self._heard[url]
-            stale = [p for p, (_, heard_at) in per.items() if heard_at < cut]
-            for p in stale:
-                del per[p]
-            if url not in known or not per:
-                del self._heard[url]
-            if stale or not per:
-                self._set_peer(url)
+        for heard in (self._heard, self._heard_cold):
+            for url in list(heard):
+                per = heard[url]
+                stale = [p for p, (_, heard_at) in per.items() if heard_at < cut]
+                for p in stale:
+                    del per[p]
+                if url not in known or not per:
+                    del heard[url]
+                if stale or not per:
+                    self._set_peer(url)
 
     def forget_loads(self) -> None:
         """The channel is lost: no count heard is kept (the in-flight hash takes over)."""
-        urls = list(self._heard)
+        urls = [*self._heard, *self._heard_cold]
         self._heard.clear()
+        self._heard_cold.clear()
         self.heard_from.clear()
         for url in urls:
             self._set_peer(url)
@@ -433,6 +464,7 @@ class PlacementSync:
             return
         self._loads = on
         self._sent.clear()
+        self._sent_cold.clear()
         self._next_load = self._next_full = 0.0  # on: announce everything at the next tick
         if not on:
             self.forget_loads()
@@ -454,6 +486,8 @@ class PlacementSync:
             if per:
                 total += sum(n for n, _ in per.values())
             replica.peer_inflight = min(total, MAX_LOAD)
+            cold = self._heard_cold.get(url)
+            replica.peer_prefilling = min(sum(n for n, _ in cold.values()), MAX_LOAD) if cold else 0
 
     async def _announce(self, kind: bytes, items: list[tuple[int, str]], now: float) -> None:
         """Lines of `kind` (TURN, WARM) on the channel only, never stored."""
@@ -558,7 +592,7 @@ class PlacementSync:
                 expired.append(field)  # a hostile or broken entry goes
                 continue
             fid, at, url, kind = parsed
-            if kind == TURN or kind == WARM or kind == LOAD:  # never stored: hostile
+            if kind in (TURN, WARM, LOAD, COLD):  # never stored: hostile
                 skipped += 1
                 expired.append(field)
                 continue

@@ -2,7 +2,8 @@
 proxy/sources/placement.py): each proxy announces its own counts per replica, every
 other proxy sets `peer_inflight` to their sum within about 100 ms, never counting its
 own, never a proxy twice (the in-flight hash's second-old entry of a proxy heard on the
-channel is left out), and forgets a proxy gone quiet. Hostile lines are skipped and
+channel is left out), and forgets a proxy gone quiet; the cold prompts computing
+(`prefilling`, `p` lines) likewise into `peer_prefilling`. Hostile lines are skipped and
 counted. Real redis-server, real RedisSources and ReadySets in this process; other
 proxies' lines are published as another proxy user would."""
 
@@ -128,10 +129,10 @@ def listener(two: list[Proxy], redis_prefix: str) -> tuple[ReadySet, Stats, Keys
     return ready_set, stats, Keys(redis_prefix), min(r.url for r in ready_set.replicas)
 
 
-def peers(ready_set: ReadySet) -> dict[int, int]:
-    """replica -> peer_inflight, numbered from 1 in URL order."""
+def peers(ready_set: ReadySet, cold: bool = False) -> dict[int, int]:
+    """replica -> peer_inflight (`cold`: peer_prefilling), numbered from 1 in URL order."""
     known = sorted(ready_set.known.values(), key=lambda r: r.url)
-    return {n: r.peer_inflight for n, r in enumerate(known, 1)}
+    return {n: r.peer_prefilling if cold else r.peer_inflight for n, r in enumerate(known, 1)}
 
 
 async def test_a_proxys_counts_reach_the_other_and_never_itself(two: list[Proxy]) -> None:
@@ -145,6 +146,22 @@ async def test_a_proxys_counts_reach_the_other_and_never_itself(two: list[Proxy]
     assert peers(a) == {1: 0, 2: 0}
     one.inflight = two_.inflight = 0
     await until(lambda: peers(b) == {1: 0, 2: 0}, what="b to hear a's counts drop to 0")
+
+
+async def test_a_proxys_cold_prompts_reach_the_other_and_never_itself(
+    two: list[Proxy]
+) -> None:
+    (_, a, _), (_, b, _) = two
+    one, two_ = sorted(a.replicas, key=lambda r: r.url)
+    one.inflight, one.prefilling = 3, 2  # two of its three computing a cold prompt
+    await until(lambda: peers(b, cold=True) == {1: 2, 2: 0}, what="b to hear a's cold prompts")
+    await until(lambda: peers(b) == {1: 3, 2: 0}, what="b to hear a's count")
+    two_.inflight, two_.prefilling = 1, 1
+    one.prefilling = 0  # their first bytes came
+    await until(lambda: peers(b, cold=True) == {1: 0, 2: 1}, what="b to hear the change")
+    assert peers(a, cold=True) == {1: 0, 2: 0}  # its own, back from the channel: not counted
+    two_.prefilling = 0
+    await until(lambda: peers(b, cold=True) == {1: 0, 2: 0}, what="b to hear them end")
 
 
 @pytest.mark.parametrize("two", [0.05], indirect=True)  # the hash read every 50 ms
@@ -180,18 +197,26 @@ async def test_hostile_load_lines_are_skipped_and_counted(
         f"lzz {now} 3 {url}",
         f"l1 nan 3 {url}",
         f"l123456789 {now} 3 {url}",
-        f"l2 {now} 4 {url}",  # the one good line
+        f"p1 {now} -1 {url}",
+        f"p1 {now} 1",
+        f"p1 {now} 1 http://127.0.0.1:1",
+        f"p1 inf 1 {url}",
+        f"l2 {now} 4 {url}",  # the good lines
+        f"p2 {now} 1 {url}",
     ]).encode())
     await until(lambda: peers(b)[1] == 4, what="the good line")
-    await until(lambda: stats.placements_skipped >= seen + 8, what="the bad lines counted")
-    assert peers(b)[2] == 0
-    # Never stored: an `l` field in the hash is hostile, deleted by the scan.
-    await redis_client.hset(keys.placement("svc"), "l1", f"{now} 3 {url}")
+    await until(lambda: peers(b, cold=True)[1] == 1, what="the good cold line")
+    await until(lambda: stats.placements_skipped >= seen + 12, what="the bad lines counted")
+    assert peers(b)[2] == 0 and peers(b, cold=True)[2] == 0
+    # Never stored: an `l` or `p` field in the hash is hostile, deleted by the scan.
+    await redis_client.hset(keys.placement("svc"), mapping={
+        "l1": f"{now} 3 {url}", "p1": f"{now} 1 {url}"})  # fmt: skip
 
     async def gone() -> bool:
-        return not await redis_client.hexists(keys.placement("svc"), "l1")
+        return not await redis_client.hexists(keys.placement("svc"), "l1") and not (
+            await redis_client.hexists(keys.placement("svc"), "p1"))
 
-    await until(gone, what="the stored l field deleted")
+    await until(gone, what="the stored l and p fields deleted")
 
 
 def sync_for(ready_set: ReadySet) -> PlacementSync:
@@ -217,8 +242,13 @@ def test_a_proxy_gone_quiet_is_forgotten_and_the_hash_counts_it_again() -> None:
     assert set(sync.heard_from) == {8}
     sync.set_base({one: 2})  # e.g. proxy 7's hash entry, now it is not heard
     assert peers(ready_set) == {1: 5, 2: 0}
+    sync.hear_loads([(8, two, 1)], 100.0 + LOAD_FRESH, cold=True)
+    assert peers(ready_set, cold=True) == {1: 0, 2: 1}
+    sync.expire_loads(100.0 + 2 * LOAD_FRESH + 0.1)  # proxy 8 quiet now too
+    assert peers(ready_set, cold=True) == {1: 0, 2: 0}
+    sync.hear_loads([(8, two, 1)], 200.0, cold=True)
     sync.forget_loads()  # the channel is lost
-    assert peers(ready_set) == {1: 2, 2: 0}
+    assert peers(ready_set) == {1: 2, 2: 0} and peers(ready_set, cold=True) == {1: 0, 2: 0}
     ready_set.close()
 
 
@@ -234,14 +264,15 @@ def test_one_replica_counts_at_most_max_load_peers_proxies_and_clamps() -> None:
     ready_set.close()
 
 
-@given(st.binary(max_size=300))
-def test_any_message_parses_to_bounded_counts(payload: bytes) -> None:
-    lines = parse_lines(b"l1 1.5 " + payload)
-    for proxy, url, n in lines.loads:
+@given(st.sampled_from([b"l", b"p"]), st.binary(max_size=300))
+def test_any_message_parses_to_bounded_counts(kind: bytes, payload: bytes) -> None:
+    lines = parse_lines(kind + b"1 1.5 " + payload)
+    for proxy, url, n in lines.loads + lines.colds:
         assert 0 <= n <= MAX_LOAD and url and 0 <= proxy < 1 << 32
 
 
 @given(st.integers(0, 10**7 - 1), st.sampled_from(URLS))
 def test_a_count_round_trips(n: int, url: str) -> None:
-    lines = parse_lines(f"lff 1.5 {n} {url}".encode())
-    assert lines.loads == [(0xFF, url, min(n, MAX_LOAD))] and not lines.skipped
+    lines = parse_lines(f"lff 1.5 {n} {url}\npff 1.5 {n} {url}".encode())
+    assert lines.loads == lines.colds == [(0xFF, url, min(n, MAX_LOAD))]
+    assert not lines.skipped

@@ -140,6 +140,26 @@ def test_on_batching_engines_a_new_family_passes_every_replica_computing_a_cold_
         assert ready.choose(None, Req(third)) is a
 
 
+def test_a_new_family_counts_the_other_proxies_cold_prompts_once() -> None:
+    # Each of 4 proxies saw only its own cold prompts and placed new families onto a
+    # replica another proxy was filling: their cold prompts there (announced with the
+    # fleet's loads) count one each in a new family's order (this proxy's count two).
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    with_slots(ready, 4, "vllm")
+    first, second, third = bodies(3, seed=31)
+    a = ready.choose(None, Req(first))
+    assert a is not None
+    b, c = (r for r in ready.replicas if r is not a)
+    a.inflight, b.inflight, c.inflight = 1, 0, 2  # the bound: 2, so c is out
+    b.peer_prefilling = 1  # another proxy's cold prompt computing there: 1 against 1
+    assert ready.choose(None, Req(second)) is b  # the tie: the fewest families
+    ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+    ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+    b.peer_prefilling = 2
+    assert ready.choose(None, Req(third)) is a  # 1 against 2
+
+
 def test_an_idle_fleet_places_a_new_family_by_recent_traffic_not_by_a_request_in_flight(
 ) -> None:
     # 4 llama.cpp servers at 1.5 arrivals/s: a new family went to the server of the
