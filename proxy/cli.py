@@ -199,7 +199,7 @@ class _ProxyCommand(click.Command):
               help="prefix policy: a known family's load bound also counts the requests "
                    "the other proxies have in flight, as they announce them on the "
                    "placement channel about every 100 ms, and a new family's placement "
-                   "counts their cold prompts in flight (announced within 20 ms) "
+                   "counts their cold prompts in flight, announced within 20 ms "
                    "(Redis source only). auto (the "
                    "default): on while the controller's engine view shows only batching "
                    "engines (vLLM, SGLang, TGI), off when it shows a llama.cpp server or "

@@ -161,7 +161,13 @@ def parse_entry(field: bytes | str,
 
 
 Entries = list[tuple[int, str, float]]  # (family or block, url, at)
-Loads = list[tuple[int, str, int]]  # (proxy, replica url, in flight)
+Loads = list[tuple[int, str, int]]  # (proxy, replica url, in flight or cold prompts)
+
+
+def _heard_sum(heard: dict[str, dict[int, tuple[int, float]]], url: str) -> int:
+    """The counts the other proxies announced for `url` (of LOAD or COLD lines), summed."""
+    per = heard.get(url)
+    return sum(n for n, _ in per.values()) if per else 0
 
 
 def parse_load(rest: str) -> tuple[str, int] | None:
@@ -481,13 +487,9 @@ class PlacementSync:
     def _set_peer(self, url: str) -> None:
         replica = self._ready_set.known.get(url)
         if replica is not None:
-            per = self._heard.get(url)
-            total = self._base.get(url, 0)
-            if per:
-                total += sum(n for n, _ in per.values())
+            total = self._base.get(url, 0) + _heard_sum(self._heard, url)
             replica.peer_inflight = min(total, MAX_LOAD)
-            cold = self._heard_cold.get(url)
-            replica.peer_prefilling = min(sum(n for n, _ in cold.values()), MAX_LOAD) if cold else 0
+            replica.peer_prefilling = min(_heard_sum(self._heard_cold, url), MAX_LOAD)
 
     async def _announce(self, kind: bytes, items: list[tuple[int, str]], now: float) -> None:
         """Lines of `kind` (TURN, WARM) on the channel only, never stored."""
