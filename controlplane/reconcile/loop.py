@@ -40,7 +40,7 @@ from controlplane.records import Handle, ReplicaRecord, ServiceRecord, ServiceSt
 from controlplane.servicespec import ServiceSpec
 from controlplane.states import EventKind, ReplicaStatus, ServiceStatus
 from controlplane.store import LeaseLost, Store, StoreError, StoreUnavailable
-from proxy.stopping import stop_tasks
+from proxy.stopping import cancel_requested, stop_tasks
 
 log = logging.getLogger("sluice.controller")
 
@@ -176,6 +176,11 @@ class Controller:
                 except Exception:
                     failures += 1
                     log.exception("reconcile step failed")
+                if cancel_requested():
+                    # A library under step() turned our cancellation into an error or a
+                    # return (redis-py does, in a command cut short): stop anyway, or the
+                    # loop idles and steps on, and whoever cancelled it waits for ever.
+                    raise asyncio.CancelledError
                 if failures:
                     # Probe results keep waking the loop; do not spin on a failing Redis.
                     await asyncio.sleep(min(0.1 * 2**failures, 5.0))

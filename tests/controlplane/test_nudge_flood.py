@@ -14,7 +14,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from controlplane.reconcile import Controller, ControllerConfig
-from controlplane.store import Store
+from controlplane.store import Store, StoreUnavailable
 from tests.support.poll import must_finish, until
 
 
@@ -56,3 +56,35 @@ async def test_a_flood_of_nudges_wakes_the_loop_once_per_gap(
 async def _ended(task: asyncio.Task[None]) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_run_ends_when_a_library_under_its_step_swallows_the_cancel(
+    store: Store, redis_url: str, redis_prefix: str, tmp_path: Path
+) -> None:
+    # redis-py turns a cancellation that lands in a command into a ConnectionError now
+    # and then (StoreUnavailable here): run() took it for a failed step and idled on, and
+    # whoever had cancelled it (a test's teardown, 120 s in CI) waited for ever.
+    config = ControllerConfig(redis_url=redis_url, prefix=redis_prefix,
+                              state_dir=tmp_path / "state", reconcile_interval=30.0)  # fmt: skip
+    async with Controller(store, config) as controller:
+        entered = asyncio.Event()
+        calls = 0
+
+        async def step() -> None:
+            nonlocal calls
+            calls += 1
+            entered.set()
+            if calls > 1:  # later steps swallow nothing (so a failing run still stops)
+                await asyncio.Event().wait()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise StoreUnavailable("connection closed while reading") from None
+
+        controller.step = step  # type: ignore[method-assign]
+        task = asyncio.create_task(controller.run())
+        await asyncio.wait_for(entered.wait(), 10)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert task in done and task.cancelled(), f"still running after {calls} steps"
+        assert calls == 1
