@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping
 from controlplane.backends.skypilot_sdk import UP, ClusterInfo, SdkError, SkyPilotSdk
 from controlplane.backends.skypilot_task import cluster_prefix, parse_cluster
 from controlplane.records import Handle
+from proxy.stopping import cancel_requested
 
 log = logging.getLogger("sluice.backend.skypilot")
 
@@ -187,6 +188,8 @@ class ClusterStatus:
                 raise
             except Exception as exc:
                 log.warning("skypilot: refreshing cluster status: %s", exc or "timeout")
+            if cancel_requested():  # a library turned our cancel into an error: stop anyway
+                raise asyncio.CancelledError
 
     async def refresh(self, sdk: SkyPilotSdk) -> None:
         """List the namespace's clusters (the suspects forced from the cloud)."""

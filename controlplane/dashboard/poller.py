@@ -35,6 +35,7 @@ from controlplane.dashboard.model import (
 from controlplane.dashboard.rates import RateTracker
 from controlplane.records import Event
 from controlplane.store import ServiceNotFound, Store, StoreError
+from proxy.stopping import cancel_requested
 from proxy.wire.errors import SluiceError
 
 log = logging.getLogger("sluice.dashboard")
@@ -117,6 +118,8 @@ class Poller:
                 raise
             except Exception:  # the loop's one broad except: log, go on
                 log.exception("dashboard poll failed")
+            if cancel_requested():  # redis-py turned our cancel into an error: stop anyway
+                raise asyncio.CancelledError
             await asyncio.sleep(max(0.0, self.interval - (loop.time() - started)))
 
     async def wait(self, seq: int, timeout: float) -> int:  # noqa: ASYNC109

@@ -27,7 +27,7 @@ from controlplane.dashboard.poller import Poller
 from controlplane.dashboard.server import make_app
 from controlplane.ops import ReplicaStatusView, ServiceView
 from controlplane.states import ReplicaStatus
-from controlplane.store import Store
+from controlplane.store import Store, StoreUnavailable
 from controlplane.store.telemetry import Telemetry
 from tests.support.builders import make_spec, registered, replica
 from tests.support.cli import one_line_error, sluice
@@ -573,3 +573,33 @@ def test_rate_tracker_skips_what_is_not_a_count() -> None:
     assert not rates.routed  # inf skipped; empty and overlong names ignored
     # An older proxy (no counters at all): n/a.
     assert tracker.update("old", {"p": ProxyHeartbeat(seen_at=1.0)}, 1.0).errors_per_s is None
+
+
+async def test_the_poller_stops_when_a_library_under_its_step_swallows_the_cancel(
+    store: Store,
+) -> None:
+    # redis-py turns a cancellation that lands in a command into a ConnectionError now
+    # and then: the poller took it for a failed poll and went on, and `aclose()` (one
+    # cancel, then an await) waited for ever.
+    poller = Poller(store)
+    entered = asyncio.Event()
+    calls = 0
+
+    async def step() -> None:
+        nonlocal calls
+        calls += 1
+        entered.set()
+        if calls > 1:  # later steps swallow nothing (so a failing poller still stops)
+            await asyncio.Event().wait()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise StoreUnavailable("connection closed while reading") from None
+
+    poller.step = step  # type: ignore[method-assign]
+    await poller.start()
+    await asyncio.wait_for(entered.wait(), 10)
+    closing = asyncio.ensure_future(poller.aclose())
+    done, _ = await asyncio.wait({closing}, timeout=10)
+    assert closing in done, f"aclose() still waits after {calls} steps"
+    assert calls == 1
