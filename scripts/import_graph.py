@@ -158,8 +158,9 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "controlplane.store": (_CP + "errors", _CP + "records", _CP + "states", _CP + "lease",
                            "proxy.wire", "proxy.redisurl"),
     # never the store (backends do not touch Redis) nor the controller
+    # (proxy.stopping: a loop that a library's swallowed cancel must still stop)
     "controlplane.backends": (_CP + "records", _CP + "servicespec", _CP + "statedir",
-                              _CP + "processes", "proxy.wire"),
+                              _CP + "processes", "proxy.wire", "proxy.stopping"),
     "controlplane.ops": (_CP + "records", _CP + "states", _CP + "store", _CP + "servicespec",
                          _CP + "rollout", _CP + "autoscaler", _CP + "lifecycle",
                          _CP + "backends", "proxy.wire"),
@@ -172,7 +173,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "controlplane.engines": (_CP + "store", _CP + "records", _CP + "states", "proxy.wire",
                              "proxy.stopping"),
     "controlplane.dashboard": (_CP + "ops", _CP + "store", _CP + "records", _CP + "states",
-                               "proxy.wire"),
+                               "proxy.wire", "proxy.stopping"),
     # `sluice run`: everything but the CLI
     "controlplane.run": (_CP + "ops", _CP + "store", _CP + "backends", _CP + "reconcile",
                          _CP + "display", _CP + "redisserver", _CP + "statedir",
