@@ -30,6 +30,7 @@ from controlplane.states import ReplicaStatus
 from controlplane.store import Store, StoreUnavailable
 from controlplane.store.telemetry import Telemetry
 from tests.support.builders import make_spec, registered, replica
+from tests.support.cancel import SwallowsCancel
 from tests.support.cli import one_line_error, sluice
 from tests.support.poll import until
 from tests.support.ports import HOST, free_port
@@ -582,24 +583,11 @@ async def test_the_poller_stops_when_a_library_under_its_step_swallows_the_cance
     # and then: the poller took it for a failed poll and went on, and `aclose()` (one
     # cancel, then an await) waited for ever.
     poller = Poller(store)
-    entered = asyncio.Event()
-    calls = 0
-
-    async def step() -> None:
-        nonlocal calls
-        calls += 1
-        entered.set()
-        if calls > 1:  # later steps swallow nothing (so a failing poller still stops)
-            await asyncio.Event().wait()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            raise StoreUnavailable("connection closed while reading") from None
-
+    step = SwallowsCancel(StoreUnavailable("connection closed while reading"))
     poller.step = step  # type: ignore[method-assign]
     await poller.start()
-    await asyncio.wait_for(entered.wait(), 10)
+    await asyncio.wait_for(step.entered.wait(), 10)
     closing = asyncio.ensure_future(poller.aclose())
     done, _ = await asyncio.wait({closing}, timeout=10)
-    assert closing in done, f"aclose() still waits after {calls} steps"
-    assert calls == 1
+    assert closing in done, f"aclose() still waits after {step.calls} steps"
+    assert step.calls == 1

@@ -16,6 +16,7 @@ import pytest
 
 from controlplane.engines.scraper import EngineScraper, ScrapeTarget
 from controlplane.store import Store
+from tests.support.cancel import SwallowsCancel
 from tests.support.engine_fakes import EngineFakeFactory
 from tests.support.llama import LlamaFactory
 from tests.support.ports import free_port
@@ -34,25 +35,11 @@ async def test_run_ends_when_a_library_under_it_swallows_the_cancel(store: Store
     # A scrape or a publish whose client library turns the cancel into a return (redis-py,
     # aiohttp now and then): run() used to carry on, so its controller never stepped down.
     scraper = EngineScraper(store)
-    entered = asyncio.Event()
-    calls = 0
-
-    async def step() -> None:
-        nonlocal calls
-        calls += 1
-        entered.set()
-        if calls > 1:  # later steps: nothing swallowed (so a failing run still stops)
-            await asyncio.Event().wait()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.Event().wait()
-
+    step = SwallowsCancel()  # the cancel turned into a return
     scraper.step = step  # type: ignore[method-assign]
     task = asyncio.create_task(scraper.run())
-    await asyncio.wait_for(entered.wait(), 10)
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=10)
-    assert task in done and task.cancelled(), f"still running after {calls} steps"
-    assert calls == 1
+    assert await step.stops(task), f"still running after {step.calls} steps"
+    assert step.calls == 1
 
 
 @contextlib.asynccontextmanager

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from controlplane.reconcile import Controller, ControllerConfig
 from controlplane.store import Store, StoreUnavailable
+from tests.support.cancel import SwallowsCancel
 from tests.support.poll import must_finish, until
 
 
@@ -67,24 +68,8 @@ async def test_run_ends_when_a_library_under_its_step_swallows_the_cancel(
     config = ControllerConfig(redis_url=redis_url, prefix=redis_prefix,
                               state_dir=tmp_path / "state", reconcile_interval=30.0)  # fmt: skip
     async with Controller(store, config) as controller:
-        entered = asyncio.Event()
-        calls = 0
-
-        async def step() -> None:
-            nonlocal calls
-            calls += 1
-            entered.set()
-            if calls > 1:  # later steps swallow nothing (so a failing run still stops)
-                await asyncio.Event().wait()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                raise StoreUnavailable("connection closed while reading") from None
-
+        step = SwallowsCancel(StoreUnavailable("connection closed while reading"))
         controller.step = step  # type: ignore[method-assign]
         task = asyncio.create_task(controller.run())
-        await asyncio.wait_for(entered.wait(), 10)
-        task.cancel()
-        done, _ = await asyncio.wait({task}, timeout=10)
-        assert task in done and task.cancelled(), f"still running after {calls} steps"
-        assert calls == 1
+        assert await step.stops(task), f"still running after {step.calls} steps"
+        assert step.calls == 1
