@@ -243,18 +243,16 @@ class PlacementSync:
         self.published = 0  # entries this proxy won (tests, status)
         self.adopted_messages = 0
         # Fleet loads (--fleet-load): this proxy's id on the channel, the counts it last
-        # announced (url -> n), and what it heard (url -> {proxy: (n, when heard)}); the
-        # same for the cold prompts (`_cold`: COLD lines).
+        # announced (url -> n), and what it heard (url -> {proxy: (n, when heard)}), each
+        # by kind of count (LOAD: in flight, COLD: cold prompts).
         self._loads = loads
         self._proxy = crc32(proxy_id.encode())
         hex_id = f"{self._proxy:x}".encode()
         self._prefix = {LOAD: LOAD + hex_id, COLD: COLD + hex_id}
-        self._sent: dict[str, int] = {}
-        self._sent_cold: dict[str, int] = {}
+        self._sent: dict[bytes, dict[str, int]] = {LOAD: {}, COLD: {}}
         self._next_load = 0.0
         self._next_full = 0.0
-        self._heard: dict[str, dict[int, tuple[int, float]]] = {}
-        self._heard_cold: dict[str, dict[int, tuple[int, float]]] = {}
+        self._heard: dict[bytes, dict[str, dict[int, tuple[int, float]]]] = {LOAD: {}, COLD: {}}
         self.heard_from: dict[int, float] = {}  # proxy -> when its last count came
         # The counts of the proxies not heard on the channel, from the in-flight hash
         # (a second old; proxy/sources/redis.py, `set_base`): url -> n.
@@ -313,11 +311,10 @@ class PlacementSync:
                 if lines.loads:
                     skipped += self.hear_loads(lines.loads, self._clock())
                 if lines.colds:
-                    skipped += self.hear_loads(lines.colds, self._clock(), cold=True)
+                    skipped += self.hear_loads(lines.colds, self._clock(), COLD)
                 self._adopt(lines.entries, skipped, lines.spills, lines.turns, lines.warm)
         finally:
-            self._sent.clear()  # announce everything again once back
-            self._sent_cold.clear()
+            self._forget_sent()  # announce everything again once back
             self.forget_loads()
             await pubsub.aclose()
 
@@ -373,18 +370,18 @@ class PlacementSync:
             self._next_full = now + LOAD_REFRESH
             self.expire_loads(now)
         at = f" {now:.3f} ".encode()
-        lines = self._changed(COLD, self._sent_cold, at, full)
+        lines = self._changed(COLD, at, full)
         if now >= self._next_load:
             self._next_load = now + LOAD_INTERVAL
-            lines += self._changed(LOAD, self._sent, at, full)
+            lines += self._changed(LOAD, at, full)
         if lines:
             await self._client.publish(self._channel, b"\n".join(lines))
 
-    def _changed(self, kind: bytes, sent: dict[str, int], at: bytes,
-                 full: bool) -> list[bytes]:
+    def _changed(self, kind: bytes, at: bytes, full: bool) -> list[bytes]:
         """The lines of this proxy's counts of `kind` (LOAD: `inflight`, COLD: `prefilling`)
-        that differ from `sent` (all non-zero ones if `full`); `sent` takes them."""
+        that differ from those last sent (all non-zero ones if `full`), now sent."""
         known = self._ready_set.known
+        sent = self._sent[kind]
         prefix = self._prefix[kind] + at
         lines: list[bytes] = []
         for url, replica in known.items():
@@ -400,15 +397,15 @@ class PlacementSync:
                 del sent[url]
         return lines
 
-    def hear_loads(self, loads: Loads, now: float, *, cold: bool = False) -> int:
-        """The other proxies' counts (proxy, url, n) heard at `now`: each replica's
-        `peer_inflight` is their sum (`cold`: `peer_prefilling`, of COLD lines). Returns
+    def hear_loads(self, loads: Loads, now: float, kind: bytes = LOAD) -> int:
+        """The other proxies' counts (proxy, url, n) of `kind` heard at `now`: each
+        replica's `peer_inflight` is their sum (COLD: `peer_prefilling`). Returns
         the lines skipped (a replica not in the set, or a replica counted for
         MAX_LOAD_PEERS proxies already)."""
         if not self._loads:
             return 0
         known = self._ready_set.known
-        heard = self._heard_cold if cold else self._heard
+        heard = self._heard[kind]
         touched: set[str] = set()
         skipped = 0
         heard_from = self.heard_from
@@ -443,7 +440,7 @@ class PlacementSync:
         known = self._ready_set.known
         for proxy in [p for p, at in self.heard_from.items() if at < cut]:
             del self.heard_from[proxy]
-        for heard in (self._heard, self._heard_cold):
+        for heard in self._heard.values():
             for url in list(heard):
                 per = heard[url]
                 stale = [p for p, (_, heard_at) in per.items() if heard_at < cut]
@@ -456,9 +453,9 @@ class PlacementSync:
 
     def forget_loads(self) -> None:
         """The channel is lost: no count heard is kept (the in-flight hash takes over)."""
-        urls = [*self._heard, *self._heard_cold]
-        self._heard.clear()
-        self._heard_cold.clear()
+        urls = [url for heard in self._heard.values() for url in heard]
+        for heard in self._heard.values():
+            heard.clear()
         self.heard_from.clear()
         for url in urls:
             self._set_peer(url)
@@ -469,12 +466,15 @@ class PlacementSync:
         if on == self._loads:
             return
         self._loads = on
-        self._sent.clear()
-        self._sent_cold.clear()
+        self._forget_sent()
         self._next_load = self._next_full = 0.0  # on: announce everything at the next tick
         if not on:
             self.forget_loads()
             self.set_base({})
+
+    def _forget_sent(self) -> None:
+        for sent in self._sent.values():
+            sent.clear()
 
     def set_base(self, counts: dict[str, int]) -> None:
         """The other proxies' counts from the in-flight hash, without those heard on the
@@ -487,9 +487,9 @@ class PlacementSync:
     def _set_peer(self, url: str) -> None:
         replica = self._ready_set.known.get(url)
         if replica is not None:
-            total = self._base.get(url, 0) + _heard_sum(self._heard, url)
+            total = self._base.get(url, 0) + _heard_sum(self._heard[LOAD], url)
             replica.peer_inflight = min(total, MAX_LOAD)
-            replica.peer_prefilling = min(_heard_sum(self._heard_cold, url), MAX_LOAD)
+            replica.peer_prefilling = min(_heard_sum(self._heard[COLD], url), MAX_LOAD)
 
     async def _announce(self, kind: bytes, items: list[tuple[int, str]], now: float) -> None:
         """Lines of `kind` (TURN, WARM) on the channel only, never stored."""

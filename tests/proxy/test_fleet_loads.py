@@ -23,6 +23,7 @@ from proxy.config import ProxyConfig
 from proxy.metrics import render
 from proxy.readyset import ReadySet
 from proxy.sources.placement import (
+    COLD,
     LOAD_FRESH,
     MAX_LOAD,
     MAX_LOAD_PEERS,
@@ -242,11 +243,11 @@ def test_a_proxy_gone_quiet_is_forgotten_and_the_hash_counts_it_again() -> None:
     assert set(sync.heard_from) == {8}
     sync.set_base({one: 2})  # e.g. proxy 7's hash entry, now it is not heard
     assert peers(ready_set) == {1: 5, 2: 0}
-    sync.hear_loads([(8, two, 1)], 100.0 + LOAD_FRESH, cold=True)
+    sync.hear_loads([(8, two, 1)], 100.0 + LOAD_FRESH, COLD)
     assert peers(ready_set, cold=True) == {1: 0, 2: 1}
     sync.expire_loads(100.0 + 2 * LOAD_FRESH + 0.1)  # proxy 8 quiet now too
     assert peers(ready_set, cold=True) == {1: 0, 2: 0}
-    sync.hear_loads([(8, two, 1)], 200.0, cold=True)
+    sync.hear_loads([(8, two, 1)], 200.0, COLD)
     sync.forget_loads()  # the channel is lost
     assert peers(ready_set) == {1: 2, 2: 0} and peers(ready_set, cold=True) == {1: 0, 2: 0}
     ready_set.close()
