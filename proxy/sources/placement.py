@@ -364,14 +364,20 @@ class PlacementSync:
     async def _announce_loads(self, now: float) -> None:
         """This proxy's cold-prompt counts that changed since the last announcement, and
         (every LOAD_INTERVAL) its in-flight counts that did; all of both every
-        LOAD_REFRESH, when the counts heard from proxies gone quiet expire. One PUBLISH."""
+        LOAD_REFRESH (due or not), when the counts heard from proxies gone quiet expire.
+        One PUBLISH."""
         full = now >= self._next_full
         if full:
             self._next_full = now + LOAD_REFRESH
             self.expire_loads(now)
         at = f" {now:.3f} ".encode()
         lines = self._changed(COLD, at, full)
-        if now >= self._next_load:
+        # All of them at a full tick, due or not: a count that stands still (a replica's
+        # long streams) is never a changed one, and the others drop a count unheard for
+        # LOAD_FRESH. Sent only when due as well, a full tick that fell between two due
+        # ones (ticks come every batch and a bit: 48 of them may make a second) left it
+        # out, and a count of steady streams could go unsent that long.
+        if full or now >= self._next_load:
             self._next_load = now + LOAD_INTERVAL
             lines += self._changed(LOAD, at, full)
         if lines:

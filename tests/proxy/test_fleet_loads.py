@@ -25,6 +25,8 @@ from proxy.readyset import ReadySet
 from proxy.sources.placement import (
     COLD,
     LOAD_FRESH,
+    LOAD_INTERVAL,
+    LOAD_REFRESH,
     MAX_LOAD,
     MAX_LOAD_PEERS,
     PlacementSync,
@@ -277,3 +279,62 @@ def test_a_count_round_trips(n: int, url: str) -> None:
     lines = parse_lines(f"lff 1.5 {n} {url}\npff 1.5 {n} {url}".encode())
     assert lines.loads == lines.colds == [(0xFF, url, min(n, MAX_LOAD))]
     assert not lines.skipped
+
+
+class Announcer:
+    """A PlacementSync with a clock of its own on a real redis-server, ticked by hand;
+    `announced(at)` ticks at `at` and returns this proxy's in-flight counts for `one` that
+    the tick published, read off the channel up to a marker published after it."""
+
+    def __init__(self, client: aioredis.Redis, redis_prefix: str) -> None:
+        self.client = client
+        self.channel = f"{redis_prefix}test-loads"
+        self.now = 100.0
+        self.ready_set = followed()
+        self.sync = PlacementSync(client, self.ready_set, Stats(), key=f"{redis_prefix}k",
+                                  channel=self.channel, proxy_id="me:1", loads=True,
+                                  clock=lambda: self.now)  # fmt: skip
+        self.one = min(self.ready_set.replicas, key=lambda r: r.url)
+        self.pubsub = client.pubsub()
+
+    async def __aenter__(self) -> Announcer:
+        await self.pubsub.subscribe(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.pubsub.aclose()
+        self.ready_set.close()
+
+    async def announced(self, at: float) -> list[int]:
+        self.now = at
+        await self.sync.tick()
+        await self.client.publish(self.channel, b"marker")
+        counts: list[int] = []
+        deadline = time.monotonic() + 30
+        while True:
+            # None: nothing yet, or the subscription's confirmation (skipped)
+            msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            assert time.monotonic() < deadline, "the marker never came back"
+            if msg is None:
+                continue
+            if msg["data"] == b"marker":
+                return counts
+            lines = parse_lines(msg["data"])
+            counts += [n for _, url, n in lines.loads if url == self.one.url]
+
+
+async def test_a_count_that_stands_still_is_announced_again_every_second(
+    redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """Long streams hold a replica's count still: never a changed count, so only the full
+    announcement every LOAD_REFRESH keeps it alive at the others (who drop a count unheard
+    for LOAD_FRESH). That one goes out whether or not the changed counts are due."""
+    async with Announcer(redis_client, redis_prefix) as a:
+        a.one.inflight = 3
+        assert await a.announced(100.0) == [3]  # the first tick: everything
+        a.one.inflight = 2
+        late = 100.0 + LOAD_REFRESH - LOAD_INTERVAL / 2
+        assert await a.announced(late) == [2]  # due; the next not before the full one
+        assert await a.announced(late + 0.02) == []  # not due, not full
+        assert await a.announced(100.0 + LOAD_REFRESH) == [2]  # the full one, not due
+        a.one.inflight = 0
