@@ -92,6 +92,22 @@ WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda sigma omeg
 # -- processes ---------------------------------------------------------------------------
 
 
+def cpu_seconds(procs: list[subprocess.Popen[bytes]]) -> float:
+    """The CPU time (user + system) used so far by `procs` and their descendants: a
+    target's router processes, with its Redis and engine feed where it starts them."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(p.pid)
+            for q in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = q.cpu_times()
+                    total += times.user + times.system
+    return total
+
+
 class Procs:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -736,19 +752,23 @@ def main() -> int:
                     continue
                 try:
                     t = time.monotonic()
+                    cpu = cpu_seconds(started)
                     results, (computed, served) = asyncio.run(
                         run_one(urls, workload, args, workers))
+                    cpu = cpu_seconds(started) - cpu
                 finally:
                     procs.stop(started)
                 s = summarize(results, args.replicas)
                 s["computed"], s["engine_requests"] = computed, served
+                s["router_cpu"] = cpu
                 summaries[workload][name] = s
                 if args.requests_json:
                     recorded[workload][name] = [dataclasses.asdict(r) for r in results]
                 print(f"  {workload:9s} {name:18s} {s['requests']:5.0f} req "
                       f"{s['errors']:3.0f} err  TTFT mean {s['ttft_mean']:.3f} "
                       f"p99 {s['ttft_p99']:.3f}  hit {100 * s['hit_rate']:.1f} %  "
-                      f"computed {computed:,}  ({time.monotonic() - t:.0f} s)", flush=True)
+                      f"computed {computed:,}  router CPU {cpu:.1f} s  "
+                      f"({time.monotonic() - t:.0f} s)", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
     finally:
