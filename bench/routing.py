@@ -191,16 +191,15 @@ def start_redis(procs: Procs) -> tuple[subprocess.Popen[bytes], str]:
     rport = free_port()
     redis = procs.start("redis", [find_redis_server(), "--port", str(rport), "--bind", HOST,
                                   "--save", "", "--appendonly", "no"])  # fmt: skip
-    client = redis_py.Redis(host=HOST, port=rport, socket_timeout=1)
     deadline = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(redis_py.ConnectionError):
-            if client.ping():
-                break
-        if redis.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"redis-server did not start (exit code {redis.poll()})")
-        time.sleep(0.05)
-    client.close()
+    with redis_py.Redis(host=HOST, port=rport, socket_timeout=1) as client:
+        while True:
+            with contextlib.suppress(redis_py.ConnectionError):
+                if client.ping():
+                    break
+            if redis.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (exit code {redis.poll()})")
+            time.sleep(0.05)
     return redis, f"redis://{HOST}:{rport}/0"
 
 
