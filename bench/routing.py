@@ -67,7 +67,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(REPO))
 
-from proxy_overhead import descendants, free_port, http_status  # noqa: E402
+from proxy_overhead import cpu_seconds, descendants, free_port, http_status  # noqa: E402
 
 from controlplane.redisserver import find_redis_server  # noqa: E402
 from tests.support.pids import interrupt_on_sigterm  # noqa: E402
@@ -92,20 +92,10 @@ WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda sigma omeg
 # -- processes ---------------------------------------------------------------------------
 
 
-def cpu_seconds(procs: list[subprocess.Popen[bytes]]) -> float:
-    """The CPU time (user + system) used so far by `procs` and their descendants: a
-    target's router processes, with its Redis and engine feed where it starts them."""
-    import psutil
-
-    total = 0.0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(p.pid)
-            for q in [proc, *proc.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    times = q.cpu_times()
-                    total += times.user + times.system
-    return total
+def router_cpu(procs: list[subprocess.Popen[bytes]]) -> float:
+    """The CPU seconds used so far by `procs` and their descendants: a target's router
+    processes, with its Redis and engine feed where it starts them."""
+    return cpu_seconds([pid for p in procs for pid in (p.pid, *descendants(p.pid))])
 
 
 class Procs:
@@ -751,10 +741,10 @@ def main() -> int:
                     continue
                 try:
                     t = time.monotonic()
-                    cpu = cpu_seconds(started)
+                    cpu = router_cpu(started)
                     results, (computed, served) = asyncio.run(
                         run_one(urls, workload, args, workers))
-                    cpu = cpu_seconds(started) - cpu
+                    cpu = router_cpu(started) - cpu
                 finally:
                     procs.stop(started)
                 s = summarize(results, args.replicas)
