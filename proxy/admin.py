@@ -123,7 +123,8 @@ class AdminServer:
             "policy": app.ready_set.policy.name,
             "replicas": [
                 {"url": r.url, "id": r.id, "inflight": r.inflight,
-                 "prefilling": r.prefilling, "ready": r.left_at is None,
+                 "prefilling": r.prefilling, "prefill_bytes": r.prefill_bytes,
+                 "ready": r.left_at is None,
                  "pool": r.pool.size if r.pool is not None else 0}
                 for r in app.ready_set.known.values()
             ],

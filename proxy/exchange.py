@@ -134,6 +134,7 @@ class Exchange:
         "out",
         "outcome",
         "pool",
+        "prefill_len",
         "prefill_on",
         "prewarm",
         "progress",
@@ -178,6 +179,7 @@ class Exchange:
         self.cached = NO_REPORT
         self.cold = False  # the prefix policy predicted a miss (a cold prefill)
         self.prefill_on: ReplicaView | None = None  # counted in its `prefilling` until then
+        self.prefill_len = 0  # the body bytes counted in its `prefill_bytes` meanwhile
         self.warms: Warming | None = None  # a family whose new spill replica it prefills
         # A replica the prefix policy wants warmed up with this prompt, and its callback.
         self.prewarm: tuple[ReplicaView, Callable[[bool], None]] | None = None
@@ -271,6 +273,8 @@ class Exchange:
         replica.inflight += 1
         if self.cold:
             replica.prefilling += 1
+            replica.prefill_bytes += self.body_len
+            self.prefill_len = self.body_len
             self.prefill_on = replica
         self.attempts += 1
         self.ctx.stats.attempts += 1
@@ -617,6 +621,7 @@ class Exchange:
         """The cold prefill is over (its first response byte came) or abandoned."""
         replica: ReplicaView = self.prefill_on  # type: ignore[assignment]
         replica.prefilling -= 1
+        replica.prefill_bytes -= self.prefill_len
         self.prefill_on = None
         family = self.warms
         if family is not None:  # the family's spill replica has its prompt (or never will)

@@ -162,6 +162,7 @@ class ReplicaView(Protocol):
     peer_inflight: int  # the other proxies' in flight there (0 unless --fleet-load)
     peer_seen: int  # the same, from the in-flight hash (a second old), with or without it
     prefilling: int  # of `inflight`, sent as a predicted cold prefill, no response byte yet
+    prefill_bytes: int  # the request bytes of those cold prefills
     peer_prefilling: int  # the other proxies' `prefilling` there (0 unless --fleet-load)
     left_at: float | None  # when it left the ready set; None while in it
     pool: ConnectionPool | None

@@ -80,6 +80,7 @@ class Replica:
         "peer_seen",
         "pool",
         "port",
+        "prefill_bytes",
         "prefilling",
         "target_qps",
         "tls",
@@ -126,6 +127,9 @@ class Replica:
         # policy's miss) whose response has not begun: placement avoids piling a second
         # cold prompt onto a replica still computing one (proxy/placement.py).
         self.prefilling = 0
+        # Their request bodies' bytes (about 4 a prompt token): on batching engines a new
+        # family's order compares the cold prompts computing, not only their number.
+        self.prefill_bytes = 0
         # The other proxies' `prefilling` here, as they last announced it (with the fleet's
         # loads, about 20 ms old: proxy/sources/placement.py; else 0).
         self.peer_prefilling = 0

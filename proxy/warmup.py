@@ -20,8 +20,8 @@ rewrites the body (one JSON decode and encode per new copy, a rare event: a few 
 on a busy fleet) and sends it in a task. Bounded: at most `MAX_RUNNING` warm-ups at once
 per proxy process (one more is skipped), each within `TIMEOUT` seconds (the hold on the
 family's overflow, `placement.WARM_HOLD`, lasts as long), the answer's body not read.
-The warm-up counts in the replica's `inflight` and `prefilling` while it runs, as a
-client's cold request would. Outcomes are counted (`Stats.warmups`: `sent`, `warmed`,
+The warm-up counts in the replica's `inflight`, `prefilling` and `prefill_bytes` while it
+runs, as a client's cold request would. Outcomes are counted (`Stats.warmups`: `sent`, `warmed`,
 `failed`, `skipped`); a failure is logged at INFO, at most one line per `LOG_EVERY`
 seconds. Any warm-up not answered 2xx leaves the copy as without the option: its next
 request computes the prompt (PrefixPolicy._warm_done).
@@ -163,6 +163,7 @@ class Warmer:
                    body: bytes, done: Callable[[bool], None]) -> None:
         replica.inflight += 1
         replica.prefilling += 1
+        replica.prefill_bytes += len(body)
         ok = False
         error = ""
         try:
@@ -184,6 +185,7 @@ class Warmer:
         finally:
             replica.inflight -= 1
             replica.prefilling -= 1
+            replica.prefill_bytes -= len(body)
             self._count("warmed" if ok else "failed")
             if not ok:
                 now = time.monotonic()

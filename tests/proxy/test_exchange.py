@@ -420,13 +420,14 @@ def test_a_cold_prefill_is_counted_on_its_replica_until_the_first_response_byte(
     family = Family(replica, 0.0)
     family.warming = replica  # the first request of its new spill replica
     ex.cold, ex.warms = True, family  # as the prefix policy marks a predicted miss
+    ex.body_len = 3000  # the policy picks once it has the body (the prompt) in
     ex.start()
     ex.on_request_complete()
-    assert replica.prefilling == 1
+    assert replica.prefilling == 1 and replica.prefill_bytes == 3000
     conn.respond_head(200, [(b"Content-Type", b"text/event-stream")])
     assert replica.prefilling == 1 and family.warming is replica  # a head may come first
     conn.respond_body(b"data: 1\n\n")
-    assert replica.prefilling == 0 and replica.inflight == 1
+    assert replica.prefilling == 0 and replica.prefill_bytes == 0 and replica.inflight == 1
     assert family.warming is None and ex.warms is None  # it has the prompt now
     conn.respond_body(b"data: 2\n\n")
     conn.respond_end()
@@ -442,9 +443,10 @@ def test_a_cold_prefill_that_never_answered_is_uncounted(ending: str) -> None:
     family = Family(replica, 0.0)
     family.warming = replica
     ex.cold, ex.warms = True, family
+    ex.body_len = 3000
     ex.start()
     ex.on_request_complete()
-    assert replica.prefilling == 1
+    assert replica.prefilling == 1 and replica.prefill_bytes == 3000
     if ending == "client_lost":
         ex.on_client_lost()
     elif ending == "connect_failed":
@@ -457,7 +459,7 @@ def test_a_cold_prefill_that_never_answered_is_uncounted(ending: str) -> None:
         pool_conn.reset = True
         ex.on_upstream_lost(pool_conn, in_response=False)
     assert ex.state == DONE
-    assert replica.prefilling == 0 and replica.inflight == 0
+    assert replica.prefilling == 0 and replica.prefill_bytes == 0 and replica.inflight == 0
     assert family.warming is None  # it never will have the prompt: the overflow may go there
 
 

@@ -140,6 +140,37 @@ def test_on_batching_engines_a_new_family_passes_every_replica_computing_a_cold_
         assert ready.choose(None, Req(third)) is a
 
 
+def test_on_batching_engines_a_new_family_goes_where_the_cold_prompts_computing_are_shortest(
+) -> None:
+    # A cold prompt's step lasts as long as the prompt: with every replica computing one,
+    # the next new family waits least behind the fewest bytes of them (no sharing: the
+    # simulator's prompts of 300-900 words), not behind the fewest requests.
+    engines = {False: "llamacpp", True: "vllm"}
+    for batching in (False, True):
+        ready = ReadySet()
+        ready.apply(snapshot(1, *URLS[:3]))
+        with_slots(ready, 4, engines[batching])
+        first, second, third, fourth = bodies(4, seed=37)
+        a = ready.choose(None, Req(first))
+        assert a is not None
+        b, c = (r for r in ready.replicas if r is not a)
+        a.inflight, a.prefilling, a.prefill_bytes = 3, 1, 5_000  # one long prompt
+        b.inflight, b.prefilling, b.prefill_bytes = 2, 1, 1_500  # one short prompt
+        c.inflight = 9  # the bound (the mean + 1): 5, so c is out
+        # Counted in requests (per-slot engines), b holds fewer: 3 against 4.
+        assert ready.choose(None, Req(second)) is b
+        # In bytes (batching engines), b computes fewer too: b again, whatever its load.
+        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        b.inflight = 4
+        assert ready.choose(None, Req(third)) is (b if batching else a)
+        # Within the same KiB the load decides again.
+        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        b.prefill_bytes = 5_100
+        assert ready.choose(None, Req(fourth)) is a
+
+
 def test_a_new_family_counts_the_other_proxies_cold_prompts_once() -> None:
     # Each of 4 proxies saw only its own cold prompts and placed new families onto a
     # replica another proxy was filling: their cold prompts there (announced with the

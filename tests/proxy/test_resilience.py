@@ -407,6 +407,8 @@ async def test_inflight_returns_to_zero_after_every_kind_of_abort(
                 if policy == "prefix":  # no response byte yet: still a cold prefill
                     cold = await snapshot_inflight(proxy.admin_url, "prefilling")
                     assert sum(cold.values()) >= 1, cold
+                    cold = await snapshot_inflight(proxy.admin_url, "prefill_bytes")
+                    assert sum(cold.values()) >= 800, cold  # its body: 800 bytes of prompt or more
             conn.abort()
 
     async def complete(path: str) -> int:
@@ -429,6 +431,7 @@ async def test_inflight_returns_to_zero_after_every_kind_of_abort(
 
     await until(all_zero, what="in-flight back to 0 on every replica")
     assert set((await snapshot_inflight(proxy.admin_url, "prefilling")).values()) == {0}
+    assert set((await snapshot_inflight(proxy.admin_url, "prefill_bytes")).values()) == {0}
     samples = await scrape(proxy.admin_url)
     assert all(v == 0 for n, _, v in samples if n == "sluice_replica_inflight")
     resp = await rawhttp.fetch(proxy.port, get("/fast"))

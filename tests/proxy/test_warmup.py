@@ -240,10 +240,12 @@ async def test_the_warmer_sends_counts_and_reports(cache_engines: CacheEngines) 
         assert hung.start(target, chat_line, auth, slow, outcomes.append)
         await until(lambda: target.inflight == 1 and target.prefilling == 1,
                     what="the warm-up in flight")
+        assert target.prefill_bytes > 0  # its body's bytes
         assert not hung.start(target, chat_line, auth, body, outcomes.append)
         assert outcomes == [False]
         await until(lambda: len(outcomes) == 2, what="the warm-up's timeout")
         assert outcomes == [False, False] and target.inflight == 0 and target.prefilling == 0
+        assert target.prefill_bytes == 0
         # Answered: reported True, one token asked, not streamed, the headers carried.
         assert warmer.start(target, chat_line, auth, body, outcomes.append)
         await until(lambda: len(outcomes) == 3, what="the warm-up's answer")
@@ -330,7 +332,7 @@ async def test_a_hostile_replica_gets_no_more_than_one_request() -> None:
             await runner.cleanup()
     assert outcomes == {"error": False, "redirect": False, "endless": True}
     assert hits == {"error": 1, "redirect": 1, "endless": 1}  # nothing reached elsewhere
-    assert all(t.inflight == 0 and t.prefilling == 0 for t in targets.values())
+    assert all(t.inflight == t.prefilling == t.prefill_bytes == 0 for t in targets.values())
     assert stats.warmups == {"sent": 3, "failed": 2, "warmed": 1}
 
 

@@ -92,6 +92,7 @@ class Fake:
     peer_inflight: int = 0
     peer_seen: int = 0
     prefilling: int = 0
+    prefill_bytes: int = 0
 
 
 def fakes(*loads: int) -> list[Fake]:
