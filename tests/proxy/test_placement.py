@@ -14,6 +14,7 @@ import pytest
 
 from controlplane.servicespec.service import PrefixRouting
 from proxy.config import ProxyConfig
+from proxy.interfaces import ReplicaView
 from proxy.placement import TRAFFIC_HALF_LIFE, WARM_HOLD, Family, PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import PLACEMENT_STALE, ReadySet
@@ -51,6 +52,27 @@ def with_slots(ready: ReadySet, slots: int, engine: str = "llamacpp") -> None:
     ready.policy.placement.refresh(1.0)  # type: ignore[attr-defined]  # what the source's tick does
 
 
+def forget_families(ready: ReadySet) -> None:
+    """Empty the placement table (the replicas' counts stay): the next body is new."""
+    ready.policy.placement.families.clear()  # type: ignore[attr-defined]
+    ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+
+
+def three_replicas_one_family(engine: str, seed: int, n: int,
+                              ) -> tuple[ReadySet, ReplicaView, ReplicaView, ReplicaView,
+                                         list[bytes]]:
+    """3 replicas of `engine` with 4 slots each; the first of `n` new bodies placed on
+    `a`; returns the set, a, the two others and the other bodies."""
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    with_slots(ready, 4, engine)
+    first, *others = bodies(n, seed=seed)
+    a = ready.choose(None, Req(first))
+    assert a is not None
+    b, c = (r for r in ready.replicas if r is not a)
+    return ready, a, b, c, others
+
+
 def test_families_fill_every_replica_to_its_slots_where_rendezvous_piles_them_up() -> None:
     families = bodies(8, seed=5)
     rdv = ReadySet()
@@ -85,8 +107,7 @@ def test_a_new_family_goes_to_the_least_loaded_replica_with_room() -> None:
     for body in bodies(20, seed=21):
         chosen = ready.choose(None, Req(body))
         assert chosen is not None and chosen.url == URLS[2]  # the idle one, whatever the hash
-        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
-        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        forget_families(ready)
 
 
 def test_a_cold_prefill_in_flight_counts_twice_in_a_new_familys_order() -> None:
@@ -120,22 +141,15 @@ def test_on_batching_engines_a_new_family_passes_every_replica_computing_a_cold_
     # awaiting its first token: a new family goes to a replica computing none of this
     # proxy's, even one holding more in flight (within the bound). A per-slot engine
     # (llama.cpp) keeps counting it twice: there a strict preference measured worse.
-    engines = {False: "llamacpp", True: "vllm"}
     for batching in (False, True):
-        ready = ReadySet()
-        ready.apply(snapshot(1, *URLS[:3]))
-        with_slots(ready, 4, engines[batching])
-        first, second, third = bodies(3, seed=29)
-        a = ready.choose(None, Req(first))
-        assert a is not None
+        ready, a, b, c, (second, third) = three_replicas_one_family(
+            "vllm" if batching else "llamacpp", 29, 3)
         a.inflight, a.prefilling = 1, 1  # its cold prompt computing
-        b, c = (r for r in ready.replicas if r is not a)
         b.inflight, c.inflight = 3, 6  # the bound (the mean + 1): 4, so c is out
         # a: 2 counted in the order, b: 3 (no cold prompt), c: over the bound.
         assert ready.choose(None, Req(second)) is (b if batching else a)
         # Every replica within the bound computing one: the load decides again.
-        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
-        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        forget_families(ready)
         b.prefilling = 1
         assert ready.choose(None, Req(third)) is a
 
@@ -145,28 +159,20 @@ def test_on_batching_engines_a_new_family_goes_where_the_cold_prompts_computing_
     # A cold prompt's step lasts as long as the prompt: with every replica computing one,
     # the next new family waits least behind the fewest bytes of them (no sharing: the
     # simulator's prompts of 300-900 words), not behind the fewest requests.
-    engines = {False: "llamacpp", True: "vllm"}
     for batching in (False, True):
-        ready = ReadySet()
-        ready.apply(snapshot(1, *URLS[:3]))
-        with_slots(ready, 4, engines[batching])
-        first, second, third, fourth = bodies(4, seed=37)
-        a = ready.choose(None, Req(first))
-        assert a is not None
-        b, c = (r for r in ready.replicas if r is not a)
+        ready, a, b, c, (second, third, fourth) = three_replicas_one_family(
+            "vllm" if batching else "llamacpp", 37, 4)
         a.inflight, a.prefilling, a.prefill_bytes = 3, 1, 5_000  # one long prompt
         b.inflight, b.prefilling, b.prefill_bytes = 2, 1, 1_500  # one short prompt
         c.inflight = 9  # the bound (the mean + 1): 5, so c is out
         # Counted in requests (per-slot engines), b holds fewer: 3 against 4.
         assert ready.choose(None, Req(second)) is b
         # In bytes (batching engines), b computes fewer too: b again, whatever its load.
-        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
-        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        forget_families(ready)
         b.inflight = 4
         assert ready.choose(None, Req(third)) is (b if batching else a)
         # Within the same KiB the load decides again.
-        ready.policy.placement.families.clear()  # type: ignore[attr-defined]
-        ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+        forget_families(ready)
         b.prefill_bytes = 5_100
         assert ready.choose(None, Req(fourth)) is a
 
@@ -175,18 +181,11 @@ def test_a_new_family_counts_the_other_proxies_cold_prompts_once() -> None:
     # Each of 4 proxies saw only its own cold prompts and placed new families onto a
     # replica another proxy was filling: their cold prompts there (announced with the
     # fleet's loads) count one each in a new family's order (this proxy's count two).
-    ready = ReadySet()
-    ready.apply(snapshot(1, *URLS[:3]))
-    with_slots(ready, 4, "vllm")
-    first, second, third = bodies(3, seed=31)
-    a = ready.choose(None, Req(first))
-    assert a is not None
-    b, c = (r for r in ready.replicas if r is not a)
+    ready, a, b, c, (second, third) = three_replicas_one_family("vllm", 31, 3)
     a.inflight, b.inflight, c.inflight = 1, 0, 2  # the bound: 2, so c is out
     b.peer_prefilling = 1  # another proxy's cold prompt computing there: 1 against 1
     assert ready.choose(None, Req(second)) is b  # the tie: the fewest families
-    ready.policy.placement.families.clear()  # type: ignore[attr-defined]
-    ready.policy.placement.update(ready.replicas)  # type: ignore[attr-defined]
+    forget_families(ready)
     b.peer_prefilling = 2
     assert ready.choose(None, Req(third)) is a  # 1 against 2
 
