@@ -152,17 +152,19 @@ def prefix_metrics(policy: Any, worker: str) -> Iterator[Metric]:
         traffic = GaugeMetricFamily(
             "sluice_prefix_recent_traffic", "Requests routed to a replica recently (halved "
             "every 30 s; per-slot engines only), by this proxy and by the other proxies as "
-            "their in-flight entries last showed it: an idle fleet's new family goes where "
-            "the sum is least", labels=["replica", "proxies", "worker"])
+            "their in-flight entries last showed it plus the new families they placed in "
+            "the last 2 s: an idle fleet's new family goes where the sum is least",
+            labels=["replica", "proxies", "worker"])
         caps = placement.capacity
-        own, others = placement.traffic, placement.peer_traffic
+        own, others, fresh = placement.traffic, placement.peer_traffic, placement.peer_fresh
         for replica, count in placement.placed.items():
             families.add_metric([replica.url, worker], count)
             cap = caps.get(replica)
             if cap is not None:
                 capacity.add_metric([replica.url, worker], cap)
             traffic.add_metric([replica.url, "this", worker], own.get(replica, 0.0))
-            traffic.add_metric([replica.url, "others", worker], others.get(replica, 0.0))
+            traffic.add_metric([replica.url, "others", worker],
+                               others.get(replica, 0.0) + fresh.get(replica, 0))
         yield families
         yield capacity
         yield traffic

@@ -22,17 +22,22 @@ decides instead, for a family it does not know:
    TRAFFIC_HALF_LIFE, plus `peer_traffic`, the other proxies' as their in-flight entries
    showed it a second ago: each of 4 proxies sees a quarter of the fleet's traffic; shared,
    4 proxies on real llama.cpp servers took 93 ms of mean TTFT against 97, and 3 % fewer
-   prompt tokens, over 12 runs), the load bound of 1 not applied: whether a replica has a request
-   in flight at that moment (0 or 1) is noise, where the traffic of the families already
-   there says which replica the new one would share slots with. On 4 llama.cpp servers
-   with 2 slots at 1.5 arrivals/s the two hottest of 8 families landed on one server (51
-   of 90 requests) when the rendezvous order broke a tie between idle servers; ordered by
-   traffic, mean TTFT fell 6 % (74 -> 70 ms over 14 runs, better in 10, worse in 1) and
-   prompt tokens computed 5 %, with 1 proxy and with 4 (bench/README.md, "A new family
-   on an idle llama.cpp fleet goes where the traffic is least"). Batching engines (vLLM,
-   SGLang, TGI) take a second family into the same batch, and there the simulator
-   measured it worse (6 cells of 18 slower, 3 faster): their new families keep the
-   order below;
+   prompt tokens, over 12 runs; and `peer_fresh`, the new families they placed in the
+   last PEER_FRESH seconds, adopted from the shared placement about 20 ms after: the hash
+   shows them up to 2 s late, and meanwhile the proxies that saw one replica with the
+   least traffic sent it their new families too, two cold prompts on one server; on
+   unshared prompts 4 proxies' requests over 1.5 x the median TTFT fell 32 -> 17 of 352,
+   p99 789 -> 562 ms, over 6 paired runs), the load bound of 1 not applied: whether a
+   replica has a request in flight at that moment (0 or 1) is noise, where the traffic
+   of the families already there says which replica the new one would share slots with.
+   On 4 llama.cpp servers with 2 slots at 1.5 arrivals/s the two hottest of 8 families
+   landed on one server (51 of 90 requests) when the rendezvous order broke a tie
+   between idle servers; ordered by traffic, mean TTFT fell 6 % (74 -> 70 ms over 14
+   runs, better in 10, worse in 1) and prompt tokens computed 5 %, with 1 proxy and with
+   4 (bench/README.md, "A new family on an idle llama.cpp fleet goes where the traffic
+   is least"). Batching engines (vLLM, SGLang, TGI) take a second family into the same
+   batch, and there the simulator measured it worse (6 cells of 18 slower, 3 faster):
+   their new families keep the order below;
    then the lowest load: this proxy's in flight + engine queue, where a request it sent
    as a predicted miss that has no response byte yet (`prefilling`, counted by the
    exchange) counts twice. A cold prompt of a thousand tokens holds its replica's batch
@@ -108,7 +113,7 @@ dict lookup and a move_to_end; a new one a walk over the replicas.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -119,6 +124,7 @@ DEFAULT_CAPACITY = 4  # families a replica holds when neither engine nor config 
 DEFAULT_TTL = 300.0  # s; about an engine's prompt-cache lifetime under load
 WARM_HOLD = 5.0  # s; a family's overflow waits for its new secondary's first answer at most
 TRAFFIC_HALF_LIFE = 30.0  # s; a replica's recent traffic (PlacementTable.traffic) halves in
+PEER_FRESH = 2.0  # s; another proxy's new family counts in `peer_fresh` this long
 PREFILL_SHIFT = 10  # cold prompts computing compared in 2**10 request bytes (~256 tokens)
 MAX_OUTBOX = 4096
 
@@ -228,6 +234,12 @@ class PlacementTable:
         # (set_peer_traffic): with it, N proxies order an idle fleet by the fleet's traffic
         # where each alone sees ~1/N of it.
         self.peer_traffic: dict[ReplicaView, float] = {}
+        # The new families the other proxies placed in the last PEER_FRESH seconds, per
+        # replica (adopt(), per-slot engines only): the in-flight hash shows them in
+        # `peer_traffic` up to 2 s late, and 4 proxies that each saw the same replica
+        # with the least traffic sent it their new families within that second.
+        self.peer_fresh: dict[ReplicaView, int] = {}
+        self._fresh: deque[tuple[float, ReplicaView]] = deque()
         # The engine view names batching engines only (refresh_capacity): an idle fleet's
         # new family is placed by load as a busy one's, not by recent traffic.
         self.batching = False
@@ -241,6 +253,8 @@ class PlacementTable:
         self.placed = {r: 0 for r in replicas}
         self.traffic = {r: self.traffic.get(r, 0.0) for r in replicas}
         self.peer_traffic = {r: v for r, v in self.peer_traffic.items() if r in live}
+        self._fresh = deque(e for e in self._fresh if e[1] in live)
+        self.peer_fresh = {r: n for r, n in self.peer_fresh.items() if r in live}
         for fid in list(self.families):
             fam = self.families[fid]
             if fam.secondary is not None and fam.secondary not in live:
@@ -280,6 +294,14 @@ class PlacementTable:
             traffic = self.traffic
             for r in traffic:
                 traffic[r] *= decay
+        fresh, fresh_cut = self._fresh, now - PEER_FRESH
+        while fresh and fresh[0][0] < fresh_cut:
+            _, r = fresh.popleft()
+            n = self.peer_fresh.get(r, 0) - 1
+            if n > 0:
+                self.peer_fresh[r] = n
+            else:
+                self.peer_fresh.pop(r, None)
         self.refresh_capacity()
         dropped = 0
         cut = now - self.ttl
@@ -333,6 +355,10 @@ class PlacementTable:
             fam = self.families.get(fid)
             if fam is None:
                 self._add(fid, replica, publish=False)
+                if (not self.batching and abs(at - self.now) <= PEER_FRESH
+                        and len(self._fresh) < MAX_OUTBOX):
+                    self._fresh.append((at, replica))  # its cold prompt starts there now
+                    self.peer_fresh[replica] = self.peer_fresh.get(replica, 0) + 1
             elif fam.primary is not replica:
                 fam.moved_from = fam.primary
                 self._uncount(fam.primary)
@@ -407,6 +433,7 @@ class PlacementTable:
         b_cold = 0
         traffic = self.traffic
         peer_traffic = self.peer_traffic
+        peer_fresh = self.peer_fresh
         batching = self.batching
         idle = False
         if not batching:  # the fleet's in flight and waiting: fewer than replicas, it idles
@@ -431,7 +458,7 @@ class PlacementTable:
             n = placed.get(r, 0)
             cap = capacity.get(r, default)
             full = n >= cap
-            recent = traffic.get(r, 0.0) + peer_traffic.get(r, 0.0)
+            recent = traffic.get(r, 0.0) + peer_traffic.get(r, 0.0) + peer_fresh.get(r, 0)
             # Batching engines: a new family's cold prompt goes to a replica computing no
             # cold prompt of this proxy's, whatever the load (a prefill holds the batch's
             # step for every request there awaiting its first token); else to the one

@@ -15,7 +15,7 @@ import pytest
 from controlplane.servicespec.service import PrefixRouting
 from proxy.config import ProxyConfig
 from proxy.interfaces import ReplicaView
-from proxy.placement import TRAFFIC_HALF_LIFE, WARM_HOLD, Family, PlacementTable
+from proxy.placement import PEER_FRESH, TRAFFIC_HALF_LIFE, WARM_HOLD, Family, PlacementTable
 from proxy.prefix import SPILL
 from proxy.readyset import PLACEMENT_STALE, ReadySet
 from proxy.replica import Replica
@@ -242,6 +242,40 @@ def test_an_idle_fleet_is_ordered_by_the_other_proxies_traffic_too() -> None:
     table.set_peer_traffic({a.url: 1.0, c.url: 2.0})
     table.update([a, b])  # a replica that left takes the others' traffic with it too
     assert table.peer_traffic == {a: 1.0}
+
+
+def test_an_idle_fleet_counts_the_new_families_other_proxies_just_placed() -> None:
+    # 4 proxies on unshared prompts, llama.cpp: the in-flight hash shows another proxy's
+    # traffic up to 2 s late, so proxies that each saw one replica with the least traffic
+    # sent it their new families within that time (two cold prompts on one server). The
+    # other proxy's placement, adopted about 20 ms after it was made, counts at once.
+    ready = ReadySet()
+    ready.apply(snapshot(1, *URLS[:3]))
+    table = ready.policy.placement  # type: ignore[attr-defined]
+    table.refresh(1000.0)
+    a, b, c = ready.replicas
+    first, second = bodies(2, seed=33)
+    table.traffic.update({a: 2.0, b: 2.6, c: 3.0})
+    table.adopt([(7, a.url, 999.9), (8, c.url, 1000.0 - PEER_FRESH - 0.1),  # the 2nd: old
+                 (11, c.url, 1059.0)])  # a clock far ahead: would stay counted a minute
+    assert table.peer_fresh == {a: 1}
+    assert ready.choose(None, Req(first)) is b  # a 3.0, b 2.6, c 3.0
+    fid = family_of(ready, first)
+    table.adopt([(fid, b.url, 1000.0)])  # this proxy's own placement read back
+    table.adopt([(7, c.url, 1000.0)])  # a family it knows, moved: no new cold prompt
+    assert table.peer_fresh == {a: 1}
+    # PEER_FRESH later the in-flight hash shows it: the count is let go. Traffic 2.5 s
+    # later: a 1.89, b 3.40, c 2.83.
+    table.refresh(1000.0 + PEER_FRESH + 0.5)
+    assert table.peer_fresh == {}
+    assert ready.choose(None, Req(second)) is a
+    table.adopt([(9, c.url, table.now)])
+    table.update([a, b])  # a replica that left takes its count with it
+    assert table.peer_fresh == {}
+    # Batching engines do not order a new family by traffic: nothing is counted.
+    with_slots(ready, 4, "vllm")
+    table.adopt([(10, a.url, table.now)])
+    assert table.peer_fresh == {}
 
 
 def test_batching_engines_place_a_new_family_by_load_on_an_idle_fleet_too() -> None:

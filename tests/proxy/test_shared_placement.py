@@ -116,6 +116,26 @@ async def test_two_proxies_placing_one_family_at_once_converge(two: list[Proxy])
     assert again_a.url == again_b.url == agreed
 
 
+async def test_a_new_family_just_placed_on_another_proxy_counts_in_an_idle_fleets_order(
+    two: list[Proxy],
+) -> None:
+    # Unshared prompts on an idle per-slot fleet go where the recent traffic is least; the
+    # other proxy's traffic reaches this one through the in-flight hash up to 2 s late. Its
+    # new family's placement comes in about 20 ms, and counts at once.
+    (_, a, _), (_, b, _) = two
+    body, fresh = bodies(2, seed=73)
+    chosen = a.choose(None, Req(body))
+    assert chosen is not None
+    table(a).traffic.clear()  # its traffic not yet in the hash, as for up to 2 s
+    on_b = b.known[chosen.url]
+    table(b).traffic.update({r: 0.0 if r is on_b else 0.5 for r in b.replicas})
+    await until(lambda: table(b).peer_fresh == {on_b: 1}, what="b to count a's new family")
+    own = b.choose(None, Req(fresh))  # without it: the replica of the least traffic, on_b
+    assert own is not None and own is not on_b
+    assert table(a).peer_fresh == {}  # a's own placement, read back, is not counted
+    assert table(b).peer_traffic.get(on_b, 0.0) == 0.0
+
+
 async def test_hostile_placement_entries_are_skipped_counted_and_deleted(
     two: list[Proxy], redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
