@@ -22,10 +22,11 @@ requests each server served, from its ``tokens_predicted_total``).
 
 Targets: ``round_robin``, ``least_load``, ``prefix`` (sluice-proxy; ``prefix_x2`` and
 ``prefix_x4`` are 2 and 4 proxies on a real redis-server, each turn of a session through
-the next proxy; ``prefix_hash`` the rendezvous placement), ``sglang`` (the sglang-router
-0.3.2 ``cache_aware`` policy), ``smg`` (the SGLang gateway's ``cache_aware``; ``smg_nop``
-with ``--disable-worker-overload-protection``) and ``vllm`` (vllm-router's
-``cache_aware``), the peers from venvs of their own:
+the next proxy; ``prefix_x1`` one proxy on it, to tell what the proxies' number changes
+from what Redis and the engine view change; ``prefix_hash`` the rendezvous placement),
+``sglang`` (the sglang-router 0.3.2 ``cache_aware`` policy), ``smg`` (the SGLang
+gateway's ``cache_aware``; ``smg_nop`` with ``--disable-worker-overload-protection``)
+and ``vllm`` (vllm-router's ``cache_aware``), the peers from venvs of their own:
 
     python3 -m venv .venv-sglang && .venv-sglang/bin/pip install sglang-router==0.3.2
     python3 -m venv .venv-smg && .venv-smg/bin/pip install smg==1.13.0
@@ -73,13 +74,15 @@ from tests.support.poll import until_sync  # noqa: E402
 from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
 
-TARGETS = ("round_robin", "least_load", "prefix", "prefix_x2", "prefix_x4", "prefix_hash",
+TARGETS = ("round_robin", "least_load", "prefix", "prefix_x1", "prefix_x2", "prefix_x4",
+           "prefix_hash",
            "sglang", "smg", "smg_nop", "vllm")
 PEERS = ("sglang", "smg", "smg_nop", "vllm")  # the routers that are not sluice
 LABELS = {
     "round_robin": "sluice `round_robin`",
     "least_load": "sluice `least_load`",
     "prefix": "sluice `prefix`",
+    "prefix_x1": "sluice `prefix`, 1 proxy on Redis",
     "prefix_x2": "sluice `prefix`, 2 proxies on Redis",
     "prefix_x4": "sluice `prefix`, 4 proxies on Redis",
     "prefix_hash": "sluice `prefix`, placement: rendezvous",
@@ -247,11 +250,12 @@ def router(target: str, urls: list[str], log_dir: Path,
     the admin ports of sluice's proxies (none for a peer: `routing_counts`).
 
     sluice's `prefix` is told the servers' `slots` (what the engine view would say with
-    a controller; this bench runs no controller). With `n_proxies` > 1, sluice runs that
-    many proxies on a real redis-server (the replicas registered as a service, so the
-    proxies share their placement) and yields their URLs."""
-    if target in ("prefix_x2", "prefix_x4"):
-        target, n_proxies = "prefix", int(target[-1])
+    a controller; this bench runs no controller). With `n_proxies` > 1 (or `prefix_x1`),
+    sluice runs that many proxies on a real redis-server (the replicas registered as a
+    service, so the proxies share their placement) and yields their URLs."""
+    on_redis = n_proxies > 1
+    if target in ("prefix_x1", "prefix_x2", "prefix_x4"):
+        target, n_proxies, on_redis = "prefix", int(target[-1]), True
     if target in ("round_robin", "least_load", "prefix", "prefix_hash"):
         proxies = ProxyFactory(log_dir)
         extra: list[str] = []
@@ -263,7 +267,7 @@ def router(target: str, urls: list[str], log_dir: Path,
         server = None
         feed: Process | None = None
         try:
-            if n_proxies <= 1:
+            if not on_redis:
                 proxy = proxies("--policy", target, "--log-level", "WARNING", *extra,
                                 replicas=urls)
                 yield proxy.url, [proxy.admin_port]
@@ -340,6 +344,9 @@ class Cell:
     routed: dict[str, int] = field(default_factory=dict)
     warmups: dict[str, int] = field(default_factory=dict)
     fleet_load: int = 0  # proxies counting the fleet's loads at the end (sluice_fleet_load)
+    # Every request's TTFT in ms, in the order the first tokens came: how many waited
+    # behind another cold prompt is in the tail, which a 60-request p99 reads as one value.
+    ttfts_ms: list[int] = field(default_factory=list)
 
 
 def counters(servers: list[llama.LlamaServer]) -> list[dict[str, float]]:
@@ -411,7 +418,7 @@ def run_cell(args: argparse.Namespace, target: str, seed: int, log_dir: Path,
         hit_rate=cached / (cached + computed) if cached + computed else 0.0,
         spread=max(per_server) / statistics.fmean(per_server) if sum(per_server) else 0.0,
         per_server=per_server, first_errors=result.errors[:3], routed=routed,
-        warmups=warmups, fleet_load=fleet,
+        warmups=warmups, fleet_load=fleet, ttfts_ms=[round(t * 1000) for t in result.ttft],
     )  # fmt: skip
 
 
