@@ -75,8 +75,7 @@ from tests.support.ports import HOST, free_port  # noqa: E402
 from tests.support.processes import Process, ProxyFactory, http_get  # noqa: E402
 
 TARGETS = ("round_robin", "least_load", "prefix", "prefix_x1", "prefix_x2", "prefix_x4",
-           "prefix_hash",
-           "sglang", "smg", "smg_nop", "vllm")
+           "prefix_hash", "sglang", "smg", "smg_nop", "vllm")
 PEERS = ("sglang", "smg", "smg_nop", "vllm")  # the routers that are not sluice
 LABELS = {
     "round_robin": "sluice `round_robin`",
