@@ -161,6 +161,8 @@ async def test_hostile_placement_entries_are_skipped_counted_and_deleted(
                 what="the hostile entries to be counted")  # fmt: skip
     fams = table(a).families
     assert not {1, 2, 3, 4, 5, 6} & set(fams)
+    # Nor do they count as another proxy's new family in an idle fleet's order.
+    assert table(a).peer_fresh == {} and table(b).peer_fresh == {}
     await until(lambda: _gone(redis_client, key, hostile), what="the bad entries deleted")
     # Routing is untouched: a new family is placed and shared as usual.
     body = bodies(1, seed=91)[0]
